@@ -1,0 +1,15 @@
+"""GET /v1/models"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from app.protocol import ModelCard, ModelList
+from app.state import ServerState, get_state
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(state: ServerState = Depends(get_state)) -> ModelList:
+    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])

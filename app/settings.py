@@ -1,0 +1,54 @@
+"""Settings: one frozen object, from flags (--max-num-seqs) or environment (SLUICE_MAX_NUM_SEQS)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "sluice"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="SLUICE_",
+        frozen=True,
+        use_attribute_docstrings=True,
+        cli_kebab_case=True,
+        cli_prog_name="sluice",
+        cli_implicit_flags=True,
+        protected_namespaces=(),
+    )
+
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 for every interface)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port to listen on."""
+    model: str | None = None
+    """Local Hugging Face model folder to serve; unset serves the embedded SmolLM2-135M-Instruct."""
+    served_model_name: str | None = None
+    """Name clients use in the `model` field; defaults to the model folder's name."""
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    """Where the default model's one-time GGUF → safetensors conversion is kept."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: CUDA when present, else CPU."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most requests decoding together in one step; more wait in the queue."""
+    max_num_batched_tokens: int = Field(256, ge=16)
+    """Token budget of one step; longer prompts are prefilled in chunks of at most this."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Longest prompt + completion in tokens; defaults to the model's context length."""
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV-cache block."""
+    kv_cache_gib: float = Field(2.0, gt=0)
+    """Memory for the paged KV cache, in GiB."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the server and the engine."""
+    enable_fault_injection: bool = False
+    """Mount POST /debug/fault, which makes the next engine step raise (tests only)."""

@@ -1,0 +1,60 @@
+"""ServerState: the served model, its engine and settings, built once at start-up and read by routes."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from app.errors import OpenAIError
+from app.settings import Settings
+from engine.engine import Engine, EngineConfig, num_kv_blocks_for
+from engine.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the routes read: settings, the served model and the engine."""
+
+    settings: Settings
+    loaded: LoadedModel
+    engine: Engine
+    model_name: str
+    max_model_len: int
+
+    def check_model(self, requested: str | None) -> None:
+        if requested not in (None, self.model_name, str(self.loaded.path)):
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.sluice
+
+
+def build_state(settings: Settings) -> ServerState:
+    loaded = load_model(settings.model, settings.cache_dir, settings.device, settings.dtype)
+    max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
+    num_blocks = num_kv_blocks_for(settings.kv_cache_gib, loaded, settings.block_size)
+    if num_blocks * settings.block_size < max_model_len:
+        raise ValueError(
+            f"kv_cache_gib={settings.kv_cache_gib} holds {num_blocks * settings.block_size} tokens, "
+            f"fewer than max_model_len={max_model_len}; raise it or lower max_model_len"
+        )
+    config = EngineConfig(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=settings.block_size,
+        num_kv_blocks=num_blocks,
+    )
+    logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
+    return ServerState(
+        settings=settings,
+        loaded=loaded,
+        engine=Engine(loaded, config),
+        model_name=settings.served_model_name or loaded.name,
+        max_model_len=max_model_len,
+    )

@@ -1,0 +1,96 @@
+"""Attention over a ragged batch whose K/V live in paged cache slots.
+
+Tokens of one step are laid out decodes first, then prefill chunks:
+
+    | d0 d1 ... d(D-1) | chunk of request a ......... | chunk of request b .... |
+      one query each,    queries num_cached .. num_cached + num_tokens - 1
+      batched together   of a's sequence, attended causally
+
+Linear layers run on all T tokens at once (no padding). Decodes share one
+batched attention call, padded only inside the K/V gather and masked; each
+prefill chunk gets its own call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One request's multi-token slice of the batch."""
+
+    # First token of the chunk in the batch.
+    start: int
+    # Tokens the chunk computes this step.
+    num_tokens: int
+    # Cache slots of the whole context (cached tokens, then this chunk), or None when
+    # nothing was cached before the chunk and the chunk's own K/V are the context.
+    context_slots: torch.Tensor | None
+    # [num_tokens, context_len] causal mask shifted past the cached tokens; None with context_slots.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V is written and which cached K/V each query reads."""
+
+    # [T] cache slot that receives each token's K/V.
+    slot_mapping: torch.Tensor
+    # Decodes are tokens [0, num_decode_tokens) of the batch.
+    num_decode_tokens: int
+    # [D, L] slots each decode reads, padded to the longest context L.
+    decode_slots: torch.Tensor | None
+    # [D, 1, 1, L] True for slots inside each decode's context.
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, hd], k/v [T, KVH, hd] → [T, H, hd]; writes this step's K/V into the cache first."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        # Grouped-query attention without copying K/V: the query heads that share a
+        # KV head sit on the "query length" axis of one SDPA call.
+        group = num_heads // num_kv_heads
+        qd = q[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
+        kd = k_cache[meta.decode_slots].transpose(1, 2)
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:num_decodes] = od.reshape(num_decodes, num_heads, head_dim)
+
+    for chunk in meta.prefills:
+        end = chunk.start + chunk.num_tokens
+        qc = q[chunk.start:end].transpose(0, 1)
+        if chunk.context_slots is None:
+            kc, vc = k[chunk.start:end], v[chunk.start:end]
+        else:
+            kc, vc = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+        oc = F.scaled_dot_product_attention(
+            qc,
+            kc.transpose(0, 1),
+            vc.transpose(0, 1),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[chunk.start:end] = oc.transpose(0, 1)
+    return out

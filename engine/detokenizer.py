@@ -1,0 +1,97 @@
+"""Incremental detokenizer: token ids → well-formed UTF-8 text deltas.
+
+Every token is mapped once, at load time, to the exact bytes it stands for, so
+decoding a stream is a byte concatenation followed by an incremental UTF-8
+decoder that holds back incomplete characters and turns invalid bytes into
+U+FFFD. The deltas therefore join to exactly what a one-shot decode gives.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in for each byte, inverted (char → byte)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenBytes:
+    """The byte string of every token id, as `tokenizer.decode(skip_special_tokens=True)` joins them."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> TokenBytes:
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        kinds = _decoder_kinds(decoder)
+        vocab_size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
+        added = tokenizer.added_tokens_decoder
+        special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+        alphabet = _byte_level_alphabet()
+        table: list[bytes] = []
+        for token_id, piece in enumerate(pieces):
+            if piece is None or token_id in special:
+                table.append(b"")
+            elif token_id in added:
+                table.append(added[token_id].content.encode())
+            elif "ByteLevel" in kinds:
+                table.append(bytes(alphabet[c] for c in piece if c in alphabet))
+            elif (match := _BYTE_FALLBACK.match(piece)) and "ByteFallback" in kinds:
+                table.append(bytes([int(match.group(1), 16)]))
+            elif "Metaspace" in kinds or "Replace" in kinds:
+                table.append(piece.replace("▁", " ").encode())
+            else:
+                table.append(tokenizer.decode([token_id]).encode())
+        return cls(table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def join(self, token_ids: Sequence[int]) -> bytes:
+        table = self._table
+        return b"".join(table[t] if 0 <= t < len(table) else b"" for t in token_ids)
+
+
+def _decoder_kinds(decoder: dict) -> set[str]:
+    kinds = {decoder.get("type", "")}
+    for child in decoder.get("decoders", []) or []:
+        kinds |= _decoder_kinds(child)
+    return kinds
+
+
+class IncrementalDetokenizer:
+    """Per-request decoder: feed token ids, get the text they complete."""
+
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text completed by these tokens; an unfinished multi-byte character is held back."""
+        return self._utf8.decode(self._token_bytes.join(token_ids))
+
+    def flush(self) -> str:
+        """Release what is held; a character that never completed becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)

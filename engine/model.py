@@ -1,0 +1,80 @@
+"""PagedCausalLM: a Hugging Face Llama-family model run over a ragged batch with a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+class PagedCausalLM:
+    """Reuses the HF model's embeddings, norms, projections, MLPs and rotary embedding;
+    replaces its attention with paged_attention so requests of any length share one forward."""
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        config = hf_model.config
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"model_type {config.model_type!r} is not supported; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = hf_model.lm_head
+        self.num_layers = len(self.layers)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.vocab_size = config.vocab_size
+        attn = self.layers[0].self_attn
+        self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
+        self.dtype = hf_model.dtype
+        self.device = hf_model.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
+        num_tokens = input_ids.shape[0]
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(hidden[None], positions[None])
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            o = paged_attention(
+                q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale
+            )
+            hidden = hidden + attn.o_proj(o.view(num_tokens, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = self.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,118 @@
+"""Engine-side request state: sampling parameters, status and the latched finish reason."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.channel import StreamChannel
+    from engine.detokenizer import IncrementalDetokenizer
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestStatus(IntEnum):
+    """Ordered: every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_CANCELLED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_CANCELLED: FinishReason.CANCELLED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the client asked for; validated on the wire, immutable inside the engine."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation; owned by the engine thread from submit() until its terminal chunk."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    channel: StreamChannel
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Prompt followed by every sampled token; what the KV cache must eventually hold.
+    token_ids: list[int] = field(init=False)
+    # Tokens whose K/V are in the cache; prefill, chunked prefill and decode all advance it.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # An error message, set only with FINISHED_ERROR.
+    error: str | None = None
+    generator: torch.Generator | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if not self.params.greedy:
+            self.generator = torch.Generator()
+            if self.params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> bool:
+        """Latch a finished status; the first writer wins and later calls change nothing."""
+        if self.is_finished:
+            return False
+        self.status = status
+        self.error = error
+        return True

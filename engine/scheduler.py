@@ -1,0 +1,141 @@
+"""Scheduler: waiting and running queues, admission, chunked prefill, preemption, finish.
+
+There is no prefill or decode phase: every request has `num_tokens` it knows and
+`num_computed_tokens` whose K/V are cached, and each step gives requests a share of
+a token budget so the second catches up with the first. A decode is a request one
+token behind; a prompt longer than the budget is prefilled in chunks across steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class StepPlan:
+    """What one engine step computes."""
+
+    # (request, number of its tokens computed this step), decodes before prefill chunks.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Decides who runs each step within `max_num_seqs` and `max_num_batched_tokens`."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
+    def schedule(self) -> StepPlan:
+        """Running requests first (decodes ahead of prefill chunks), then admit waiting ones."""
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        # A stable sort keeps arrival order within each group; decodes go first so a
+        # long prompt being prefilled never holds back the tokens of everyone else.
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, num_new, plan):
+                continue
+            self.block_manager.allocate(request, num_new)
+            plan.scheduled.append((request, num_new))
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.block_manager.allocate(request, num_new)
+            plan.scheduled.append((request, num_new))
+            budget -= num_new
+        return plan
+
+    def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:
+        """Preempt the youngest unscheduled running requests until `request` fits; False if
+        it had to be preempted itself."""
+        needed = self.block_manager.num_blocks_needed(request, num_new)
+        scheduled = {id(r) for r, _ in plan.scheduled}
+        while not self.block_manager.can_allocate(needed):
+            victims = [r for r in self.running if id(r) not in scheduled and r is not request]
+            victim = victims[-1] if victims else request
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's KV and queue it first in line to recompute."""
+        self.running.remove(request)
+        self.block_manager.deallocate(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def postprocess(self, plan: StepPlan, sampled: dict[int, int]) -> None:
+        """Advance counters, append sampled tokens (keyed by id(request)) and latch finishes."""
+        for request, num_new in plan.scheduled:
+            request.num_computed_tokens += num_new
+            token_id = sampled.get(id(request))
+            if token_id is None:
+                continue
+            request.token_ids.append(token_id)
+            if token_id in self.eos_token_ids:
+                request.finish(RequestStatus.FINISHED_STOPPED)
+            elif (
+                request.num_output_tokens >= request.params.max_tokens
+                or request.num_tokens >= self.max_model_len
+            ):
+                request.finish(RequestStatus.FINISHED_LENGTH)
+            if request.is_finished:
+                self.free(request)
+
+    def free(self, request: Request) -> None:
+        """Drop a finished request from the queues and return its KV blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.deallocate(request)
