@@ -1,0 +1,23 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CACHE_DIR = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default model as a safetensors folder (converted from its GGUF on first use)."""
+    from engine.loader import convert_gguf, default_model_gguf
+
+    return convert_gguf(default_model_gguf(), CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)

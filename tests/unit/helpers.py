@@ -1,0 +1,77 @@
+"""Builders shared by unit tests: tiny random models, engines and requests."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.channel import Chunk, StreamChannel
+from engine.detokenizer import IncrementalDetokenizer, TokenBytes
+from engine.engine import Engine, EngineConfig
+from engine.loader import LoadedModel
+from engine.model import PagedCausalLM
+from engine.request import Request, SamplingParams
+
+TINY_VOCAB = 512
+
+
+def tiny_hf_model(model_type: str = "llama", seed: int = 0):
+    """A 2-layer random model whose logits are peaked enough for greedy decoding to be stable."""
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    if model_type == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+
+
+def tiny_loaded(tokenizer, model_type: str = "llama") -> LoadedModel:
+    hf = tiny_hf_model(model_type)
+    return LoadedModel(
+        model=PagedCausalLM(hf),
+        tokenizer=tokenizer,
+        token_bytes=TokenBytes.from_tokenizer(tokenizer),
+        name=f"tiny-{model_type}",
+        path=Path("."),
+        eos_token_ids=frozenset(),
+        max_position_embeddings=1024,
+    )
+
+
+def tiny_engine(loaded: LoadedModel, **overrides) -> Engine:
+    config = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=1024, block_size=4, num_kv_blocks=512)
+    config.update(overrides)
+    return Engine(loaded, EngineConfig(**config))
+
+
+def make_request(prompt_len: int, max_tokens: int = 8, token_bytes: TokenBytes | None = None) -> Request:
+    """A request for scheduler tests: no model, no loop is ever touched."""
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        channel=StreamChannel(asyncio.new_event_loop()),
+        detokenizer=IncrementalDetokenizer(token_bytes or TokenBytes([b""] * TINY_VOCAB)),
+    )
+
+
+async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[Chunk]:
+    channel = StreamChannel(asyncio.get_running_loop())
+    engine.submit("t", prompt, params, channel)
+    return [chunk async for chunk in channel]
+
+
+def tokens_of(chunks: list[Chunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]

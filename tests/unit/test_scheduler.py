@@ -1,0 +1,117 @@
+import random
+
+from engine.kv_cache import BlockManager
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler
+from tests.unit.helpers import make_request
+
+
+def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, eos=frozenset({0})):
+    manager = BlockManager(num_blocks, block_size)
+    return Scheduler(manager, max_num_seqs, budget, max_model_len=1024, eos_token_ids=eos), manager
+
+
+def run_step(scheduler, token=7):
+    """Hand the scheduler a fake forward result: every request that reached its end samples `token`."""
+    plan = scheduler.schedule()
+    sampled = {}
+    for request, n in plan.scheduled:
+        if request.num_computed_tokens + n == request.num_tokens:
+            sampled[id(request)] = token
+    scheduler.postprocess(plan, sampled)
+    return plan
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    scheduler, _ = create_scheduler(budget=16)
+    request = make_request(prompt_len=40)
+    scheduler.add(request)
+    assert [n for _, n in run_step(scheduler).scheduled] == [16]
+    assert [n for _, n in run_step(scheduler).scheduled] == [16]
+    assert request.num_output_tokens == 0
+    assert [n for _, n in run_step(scheduler).scheduled] == [8]
+    assert request.num_output_tokens == 1
+
+
+def test_decodes_are_scheduled_before_a_prefill_chunk():
+    scheduler, _ = create_scheduler(budget=16)
+    decoding = make_request(prompt_len=4, max_tokens=50)
+    scheduler.add(decoding)
+    run_step(scheduler)
+    long = make_request(prompt_len=100)
+    scheduler.add(long)
+    for _ in range(5):
+        plan = run_step(scheduler)
+        assert plan.scheduled[0] == (decoding, 1)
+        assert plan.num_tokens == 16
+
+
+def test_finished_request_leaves_at_once_and_frees_blocks():
+    scheduler, manager = create_scheduler()
+    request = make_request(prompt_len=5, max_tokens=3)
+    scheduler.add(request)
+    for _ in range(3):
+        run_step(scheduler)
+    assert request.status == RequestStatus.FINISHED_LENGTH
+    assert request.num_output_tokens == 3
+    assert not scheduler.has_unfinished
+    assert manager.num_used == 0
+
+
+def test_eos_stops_a_request():
+    scheduler, manager = create_scheduler(eos=frozenset({7}))
+    request = make_request(prompt_len=3, max_tokens=10)
+    scheduler.add(request)
+    run_step(scheduler, token=7)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert manager.num_used == 0
+
+
+def test_admission_respects_max_num_seqs():
+    scheduler, _ = create_scheduler(max_num_seqs=2, budget=64)
+    requests = [make_request(3, max_tokens=10) for _ in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    run_step(scheduler)
+    assert len(scheduler.running) == 2 and list(scheduler.waiting) == [requests[2]]
+
+
+def test_out_of_blocks_preempts_the_youngest_and_it_recomputes():
+    scheduler, manager = create_scheduler(num_blocks=8, block_size=4, budget=64)
+    old, young = make_request(8, max_tokens=20), make_request(8, max_tokens=20)
+    scheduler.add(old)
+    scheduler.add(young)
+    run_step(scheduler)
+    assert manager.num_used == 4  # two blocks of 4 for each 8-token prompt
+    # Both need 28 slots in the end, 7 blocks each: only one fits in 8 at a time.
+    while scheduler.num_preemptions == 0:
+        run_step(scheduler)
+        manager.check_integrity()
+    assert young.status == RequestStatus.PREEMPTED and young.block_table == []
+    assert old.status == RequestStatus.RUNNING
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+        manager.check_integrity()
+    assert old.num_output_tokens == young.num_output_tokens == 20
+    assert manager.num_used == 0
+
+
+def test_random_workload_keeps_block_accounting_exact():
+    rng = random.Random(0)
+    scheduler, manager = create_scheduler(num_blocks=40, block_size=4, max_num_seqs=6, budget=24)
+    finished = 0
+    for step in range(400):
+        if rng.random() < 0.3:
+            scheduler.add(make_request(rng.randint(1, 30), max_tokens=rng.randint(1, 20)))
+        if scheduler.has_unfinished:
+            for request in list(scheduler.running):
+                if rng.random() < 0.02:
+                    scheduler.free(request)
+                    request.finish(RequestStatus.FINISHED_CANCELLED)
+            before = len(scheduler.requests())
+            run_step(scheduler)
+            finished += before - len(scheduler.requests())
+        manager.check_integrity()
+        used = sum(len(r.block_table) for r in scheduler.running)
+        assert used == manager.num_used
+    assert finished > 20
