@@ -1,0 +1,68 @@
+"""A real Sluice server process on 127.0.0.1 serving the default model."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import CACHE_DIR
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*flags: str):
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SLUICE_CACHE_DIR=str(CACHE_DIR))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *flags], env=env
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, "server exited during start-up"
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.3)
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(default_model_path):
+    """The server as `make serve` runs it, plus the fault-injection hook."""
+    yield from _serve("--enable-fault-injection")
+
+
+@pytest.fixture(scope="module")
+def fp32_server(default_model_path):
+    """float32 serving, whose outputs do not depend on batch composition (bf16's can)."""
+    yield from _serve("--dtype", "float32")
+
+
+@pytest.fixture(scope="session")
+def model_name(server) -> str:
+    return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture
+def health(server):
+    def read() -> dict:
+        return httpx.get(f"{server}/health", timeout=5).json()
+
+    return read

@@ -1,0 +1,46 @@
+"""A strict reader of raw SSE streams, for asserting on the wire format itself."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass
+class Event:
+    id: str | None
+    data: str
+
+    def json(self) -> dict:
+        return json.loads(self.data)
+
+
+def read_events(response: httpx.Response) -> list[Event]:
+    events: list[Event] = []
+    event_id, data = None, []
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                events.append(Event(event_id, "\n".join(data)))
+            event_id, data = None, []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    return events
+
+
+def stream_text(events: list[Event]) -> tuple[str, str | None]:
+    """Concatenated chat deltas and the finish reason, from a chat completion stream."""
+    text, reason = "", None
+    for event in events:
+        if event.data == "[DONE]":
+            break
+        for choice in event.json()["choices"]:
+            text += choice["delta"].get("content") or ""
+            reason = choice["finish_reason"] or reason
+    return text, reason
