@@ -100,7 +100,7 @@ def test_random_workload_keeps_block_accounting_exact():
     rng = random.Random(0)
     scheduler, manager = create_scheduler(num_blocks=40, block_size=4, max_num_seqs=6, budget=24)
     finished = 0
-    for step in range(400):
+    for _ in range(400):
         if rng.random() < 0.3:
             scheduler.add(make_request(rng.randint(1, 30), max_tokens=rng.randint(1, 20)))
         if scheduler.has_unfinished:
