@@ -123,8 +123,19 @@ def load_model(model: str | None, cache_dir: Path, device: str, dtype: str) -> L
         name=name,
         path=path,
         eos_token_ids=eos,
-        max_position_embeddings=hf_model.config.max_position_embeddings,
+        max_position_embeddings=_context_length(hf_model.config),
     )
+
+
+def _context_length(config) -> int:
+    """The model's usable context: paged attention here attends to every cached token, so a
+    model trained with a sliding window is exact only up to that window."""
+    length = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    if window and uses_window:
+        length = min(length, window)
+    return length
 
 
 def _eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

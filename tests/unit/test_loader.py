@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from engine.loader import load_model, resolve_dtype
+from engine.model import UnsupportedModelError
+from tests.unit.helpers import tiny_hf_model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_any_local_hf_folder_loads(tmp_path, default_tokenizer, model_type):
+    tiny_hf_model(model_type).save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), tmp_path / "cache", device="cpu", dtype="float32")
+    assert loaded.name == tmp_path.name
+    assert loaded.model.num_layers == 2 and loaded.model.dtype == torch.float32
+    assert default_tokenizer.eos_token_id in loaded.eos_token_ids
+    assert len(loaded.token_bytes) >= 512
+
+
+def test_a_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(str(tmp_path), tmp_path, device="cpu", dtype="auto")
+
+
+def test_an_unsupported_architecture_is_refused(tmp_path, default_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError):
+        load_model(str(tmp_path), tmp_path, device="cpu", dtype="float32")
+
+
+def test_explicit_dtype_wins_and_cuda_defaults_to_bf16():
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_mistral_context_is_capped_at_its_sliding_window():
+    from transformers import MistralConfig
+
+    from engine.loader import _context_length
+
+    config = MistralConfig(max_position_embeddings=32768, sliding_window=4096)
+    assert _context_length(config) == 4096
