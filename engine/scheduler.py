@@ -96,8 +96,8 @@ class Scheduler:
         """Preempt the youngest unscheduled running requests until `request` fits; False if
         it had to be preempted itself."""
         needed = self.block_manager.num_blocks_needed(request, num_new)
-        scheduled = {id(r) for r, _ in plan.scheduled}
         while not self.block_manager.can_allocate(needed):
+            scheduled = {id(r) for r, _ in plan.scheduled}
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             victim = victims[-1] if victims else request
             self._preempt(victim)
