@@ -46,6 +46,7 @@ class _InjectedFault(RuntimeError):
 
 
 _FAULT = object()
+_SHUTDOWN_MESSAGE = "the engine is shutting down"
 
 
 class Engine:
@@ -92,7 +93,7 @@ class Engine:
             if not self._stopping:
                 self._inbox.put(request)
                 return
-        self._end(request, RequestStatus.FINISHED_ERROR, "the engine is shutting down")
+        self._end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
 
     def inject_fault(self) -> None:
         """Make the next step raise (for tests of the fault path)."""
@@ -107,14 +108,9 @@ class Engine:
             self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("engine thread did not stop within %.0f s", timeout)
-        self._fail_all("the engine is shutting down")
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, Request):
-                self._end(item, RequestStatus.FINISHED_ERROR, "the engine is shutting down")
+        # Requests submitted before _stopping was set may still sit in the inbox.
+        self._drain_inbox(block=False)
+        self._fail_all(_SHUTDOWN_MESSAGE)
         self._stats = self._snapshot(alive=False)
 
     @property
