@@ -54,7 +54,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0]
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(location) or None
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if param:
             message = f"{param}: {message}"
         return JSONResponse(error_body(400, message, param), 400)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from app.errors import OpenAIError
 from engine.request import SamplingParams
@@ -19,6 +20,20 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+@dataclass(frozen=True)
+class ServingLimits:
+    """What a request is checked against beyond its own fields."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    stream_interval: int
+
+
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+
+
 class _SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
@@ -30,36 +45,86 @@ class _SamplingRequest(_Request):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
     """Extension (as vLLM): keep the k most likely tokens; 0 or -1 keeps all."""
-    seed: int | None = None
-    n: int = Field(1, ge=1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Extension (as vLLM): drop tokens less likely than min_p times the most likely one."""
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    """Extension (as vLLM): token ids that end the output; the token's text is not included."""
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    """Extension (as vLLM and HF): >1 discourages any token already in the prompt or output."""
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    """Extension (as vLLM): keep generating past end-of-sequence, for fixed-length benchmarks."""
+    stream_interval: int | None = Field(None, ge=1, le=1024)
+    """Extension: tokens per streamed chunk (the server default is --stream-interval)."""
+    resumable: bool = False
+    """Extension: the stream survives a disconnect for the resume window (GET /v1/streams/{id})."""
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values must be between -100 and 100, got {value} for token {key}")
+        return bias
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """Check what the engine cannot serve yet or would overflow the context, then freeze."""
-        if self.n != 1:
-            raise OpenAIError(400, "only n=1 is supported", param="n")
-        if self.stop:
-            raise OpenAIError(400, "stop sequences are not supported yet", param="stop")
-        room = max_model_len - num_prompt_tokens
+    def _logprobs(self) -> int | None:
+        """How many top alternatives to report per token; None: no logprobs at all."""
+        return None
+
+    def to_sampling_params(self, num_prompt_tokens: int, limits: ServingLimits) -> SamplingParams:
+        """Check what the fields alone cannot (vocabulary, context, seats), then freeze."""
+        if self.n > limits.max_num_seqs:
+            raise OpenAIError(400, f"n must be at most {limits.max_num_seqs} (--max-num-seqs)", param="n")
+        bias = {int(key): value for key, value in (self.logit_bias or {}).items()}
+        for param, ids in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or ())):
+            if bad := [t for t in ids if not 0 <= t < limits.vocab_size]:
+                raise OpenAIError(400, f"{param}: token id {bad[0]} is not in the vocabulary", param=param)
+        room = limits.max_model_len - num_prompt_tokens
         max_tokens = self._max_tokens()
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise OpenAIError(
                 400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
                 f"requested {num_prompt_tokens + (max_tokens or 1)} tokens ({num_prompt_tokens} in "
                 f"the prompt, {max_tokens or 1} for the completion).",
                 param="max_tokens" if room >= 1 else "messages",
                 code="context_length_exceeded",
             )
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else room,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
+            min_p=self.min_p,
             seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(sorted(bias.items())),
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=frozenset(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self._logprobs(),
+            n=self.n,
+            stream_interval=self.stream_interval or limits.stream_interval,
         )
 
     @property
@@ -88,15 +153,32 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return self
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt this request carries; batches of prompts are refused."""
@@ -107,6 +189,10 @@ class CompletionRequest(_SamplingRequest):
             prompt = prompt[0]
         if self.echo:
             raise OpenAIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, self.n):
+            raise OpenAIError(400, "best_of is not supported; use n", param="best_of")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
         if not prompt:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
         return prompt
@@ -128,10 +214,47 @@ class ChatDelta(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class Timings(BaseModel):
+    """Extension, after llama.cpp: where the time of one choice went."""
+
+    queue_ms: float
+    prompt_n: int
+    prompt_ms: float
+    ttft_ms: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+
+
+def _absent(value: object) -> bool:
+    return value is None
+
+
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -142,6 +265,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    timings: Timings | None = Field(None, exclude_if=_absent)
 
 
 class ChatResponseMessage(BaseModel):
@@ -152,7 +276,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -163,12 +287,13 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    timings: Timings | None = Field(None, exclude_if=_absent)
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -181,6 +306,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    timings: Timings | None = Field(None, exclude_if=_absent)
 
 
 class ModelCard(BaseModel):

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.errors import install_error_handlers
-from app.routes import chat, completions, health, models
+from app.routes import chat, completions, health, models, streams
 from app.settings import Settings
 from app.state import build_state
 
@@ -33,6 +33,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(models.router)
+    app.include_router(streams.router)
     app.include_router(health.router)
     if settings.enable_fault_injection:
         app.include_router(health.debug_router)

@@ -48,6 +48,17 @@ class Settings(BaseSettings):
     """Tokens per KV-cache block."""
     kv_cache_gib: float = Field(2.0, gt=0)
     """Memory for the paged KV cache, in GiB."""
+    stream_interval: int = Field(1, ge=1, le=1024)
+    """Tokens per streamed chunk unless a request sets its own; the last chunk always flushes."""
+    keepalive_seconds: float = Field(15.0, gt=0)
+    """Interval of the SSE comment that keeps proxies from closing a quiet stream."""
+    max_unread_tokens: int = Field(256, ge=1)
+    """A stream whose reader is this many tokens behind is paused (KV kept) until it catches up."""
+    write_buffer_kib: int = Field(16, ge=4, le=4096)
+    """Per-connection socket and transport write buffer: how much a stalled client can leave unread
+    before its stream backs up to the engine."""
+    resume_window_seconds: float = Field(30.0, gt=0)
+    """How long a resumable stream waits for its client to come back before it is cancelled."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the server and the engine."""
     enable_fault_injection: bool = False

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from app.errors import OpenAIError
+from app.protocol import ServingLimits
+from app.resumable import StreamRegistry
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, num_kv_blocks_for
 from engine.loader import LoadedModel, load_model
@@ -23,7 +25,8 @@ class ServerState:
     loaded: LoadedModel
     engine: Engine
     model_name: str
-    max_model_len: int
+    limits: ServingLimits
+    streams: StreamRegistry
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, self.model_name, str(self.loaded.path)):
@@ -49,6 +52,7 @@ def build_state(settings: Settings) -> ServerState:
         max_model_len=max_model_len,
         block_size=settings.block_size,
         num_kv_blocks=num_blocks,
+        max_unread_tokens=settings.max_unread_tokens,
     )
     logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
     return ServerState(
@@ -56,5 +60,11 @@ def build_state(settings: Settings) -> ServerState:
         loaded=loaded,
         engine=Engine(loaded, config),
         model_name=settings.served_model_name or loaded.name,
-        max_model_len=max_model_len,
+        limits=ServingLimits(
+            max_model_len=max_model_len,
+            vocab_size=loaded.model.vocab_size,
+            max_num_seqs=settings.max_num_seqs,
+            stream_interval=settings.stream_interval,
+        ),
+        streams=StreamRegistry(settings.resume_window_seconds),
     )

@@ -1,7 +1,8 @@
-"""Chunk stream → SSE events (role, deltas, finish, usage, [DONE]) and the non-streamed fold.
+"""Chunk stream → OpenAI payloads (role, deltas with logprobs, finish with timings, usage, [DONE])
+and the non-streamed fold of the same chunks.
 
-Both response kinds read the same channel; a non-streamed response is the fold of
-the chunks a stream would have sent.
+Both response kinds read one StreamChannel, so a non-streamed response is exactly
+what the stream would have carried, concatenated.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,18 +25,35 @@ from app.protocol import (
     ChatCompletionChunk,
     ChatDelta,
     ChatResponseMessage,
+    ChatTokenLogprob,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
+    Timings,
+    TopLogprob,
     Usage,
 )
+from engine import channel as engine_channel
 from engine.channel import Chunk, StreamChannel
+from engine.detokenizer import TokenBytes
 from engine.engine import Engine
 from engine.request import FinishReason, SamplingParams
+from engine.sampler import TokenLogprob
 
 Kind = Literal["chat", "text"]
 
-# An SSE comment this often keeps proxies from closing a stream that waits in the queue.
-KEEPALIVE_SECONDS = 15
+DONE = "[DONE]"
+
+
+@dataclass
+class _Choice:
+    """What the fold gathers for one choice."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    timings: engine_channel.Timings | None = None
 
 
 @dataclass
@@ -45,118 +63,217 @@ class Generation:
     kind: Kind
     model: str
     num_prompt_tokens: int
+    num_choices: int
+    wants_logprobs: bool
+    include_usage: bool
     channel: StreamChannel
+    token_bytes: TokenBytes
     completion_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def start(
-        cls, engine: Engine, kind: Kind, model: str, prompt_token_ids: list[int], params: SamplingParams
+        cls,
+        engine: Engine,
+        kind: Kind,
+        model: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        include_usage: bool,
     ) -> Generation:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         generation = cls(
             kind=kind,
             model=model,
             num_prompt_tokens=len(prompt_token_ids),
-            channel=StreamChannel(asyncio.get_running_loop()),
+            num_choices=params.n,
+            wants_logprobs=params.logprobs is not None,
+            include_usage=include_usage,
+            channel=StreamChannel(asyncio.get_running_loop(), num_choices=params.n),
+            token_bytes=engine.token_bytes,
             completion_id=f"{prefix}-{uuid.uuid4().hex}",
         )
         engine.submit(generation.completion_id, prompt_token_ids, params, generation.channel)
         return generation
 
-    def usage(self, completion_tokens: int) -> Usage:
+    async def events(self) -> AsyncIterator[str]:
+        """Every SSE data payload of the stream, ending in [DONE] on every path; leaving early
+        cancels the request in the engine."""
+        completion_tokens = 0
+        text_offsets = [0] * self.num_choices
+        try:
+            if self.kind == "chat":
+                for index in range(self.num_choices):
+                    yield self._chat_chunk(index, ChatDelta(role="assistant", content=""))
+            async for chunk in self.channel:
+                completion_tokens += len(chunk.token_ids)
+                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                    yield _error_json(chunk)
+                    break
+                if chunk.text or chunk.logprobs:
+                    yield self._delta(chunk, text_offsets)
+                if chunk.is_terminal:
+                    yield self._finish(chunk)
+            else:
+                if self.include_usage:
+                    yield self._usage_chunk(completion_tokens)
+            yield DONE
+        finally:
+            self.channel.cancel()
+
+    async def fold(self) -> ChatCompletion | Completion:
+        """The whole response at once: the same chunks, concatenated per choice."""
+        choices = [_Choice() for _ in range(self.num_choices)]
+        completion_tokens = 0
+        try:
+            async for chunk in self.channel:
+                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                    raise OpenAIError(500, chunk.error or "the request was cancelled", code="engine_error")
+                completion_tokens += len(chunk.token_ids)
+                choice = choices[chunk.index]
+                choice.text.append(chunk.text)
+                choice.logprobs.extend(chunk.logprobs)
+                if chunk.is_terminal:
+                    choice.finish_reason, choice.timings = chunk.finish_reason.value, chunk.timings
+        finally:
+            self.channel.cancel()
+        ids = {"id": self.completion_id, "created": self.created, "model": self.model}
+        usage = self._usage(completion_tokens)
+        # The last choice to finish has seen the whole request through.
+        last = max((c.timings for c in choices if c.timings), key=lambda t: t.ttft_ms + t.decode_ms, default=None)
+        timings = _timings(last)
+        if self.kind == "chat":
+            chat_choices = [
+                ChatChoice(
+                    index=index,
+                    message=ChatResponseMessage(content="".join(c.text)),
+                    logprobs=self._chat_logprobs(c.logprobs),
+                    finish_reason=c.finish_reason,
+                )
+                for index, c in enumerate(choices)
+            ]
+            return ChatCompletion(**ids, choices=chat_choices, usage=usage, timings=timings)
+        text_choices = [
+            CompletionChoice(
+                index=index,
+                text="".join(c.text),
+                logprobs=self._completion_logprobs(c.logprobs, 0)[0],
+                finish_reason=c.finish_reason,
+            )
+            for index, c in enumerate(choices)
+        ]
+        return Completion(**ids, choices=text_choices, usage=usage, timings=timings)
+
+    # Payloads.
+
+    def _delta(self, chunk: Chunk, text_offsets: list[int]) -> str:
+        if self.kind == "chat":
+            return self._chat_chunk(chunk.index, ChatDelta(content=chunk.text), self._chat_logprobs(chunk.logprobs))
+        logprobs, text_offsets[chunk.index] = self._completion_logprobs(chunk.logprobs, text_offsets[chunk.index])
+        return self._text_chunk(CompletionChoice(index=chunk.index, text=chunk.text, logprobs=logprobs))
+
+    def _finish(self, chunk: Chunk) -> str:
+        reason, timings = chunk.finish_reason.value, _timings(chunk.timings)
+        if self.kind == "chat":
+            return self._chat_chunk(chunk.index, ChatDelta(), finish_reason=reason, timings=timings)
+        return self._text_chunk(CompletionChoice(index=chunk.index, text="", finish_reason=reason), timings)
+
+    def _chat_chunk(
+        self,
+        index: int,
+        delta: ChatDelta,
+        logprobs: ChoiceLogprobs | None = None,
+        finish_reason: str | None = None,
+        timings: Timings | None = None,
+    ) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        return ChatCompletionChunk(
+            id=self.completion_id, created=self.created, model=self.model, choices=[choice], timings=timings
+        ).model_dump_json()
+
+    def _text_chunk(self, choice: CompletionChoice, timings: Timings | None = None) -> str:
+        return Completion(
+            id=self.completion_id, created=self.created, model=self.model, choices=[choice], timings=timings
+        ).model_dump_json()
+
+    def _usage_chunk(self, completion_tokens: int) -> str:
+        ids = {"id": self.completion_id, "created": self.created, "model": self.model}
+        usage = self._usage(completion_tokens)
+        if self.kind == "chat":
+            return ChatCompletionChunk(**ids, choices=[], usage=usage).model_dump_json()
+        return Completion(**ids, choices=[], usage=usage).model_dump_json()
+
+    def _usage(self, completion_tokens: int) -> Usage:
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=self.num_prompt_tokens + completion_tokens,
         )
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
-        """One SSE data payload carrying a delta and/or the finish reason."""
-        if self.kind == "chat":
-            delta = ChatDelta(role="assistant" if role else None, content=text)
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-            body = ChatCompletionChunk(id=self.completion_id, created=self.created, model=self.model, choices=[choice])
-        else:
-            body = Completion(
-                id=self.completion_id,
-                created=self.created,
-                model=self.model,
-                choices=[CompletionChoice(text=text or "", finish_reason=finish_reason)],
-            )
-        return body.model_dump_json()
+    # Logprobs in OpenAI's two shapes.
 
-    def usage_chunk(self, completion_tokens: int) -> str:
-        usage = self.usage(completion_tokens)
-        if self.kind == "chat":
-            body = ChatCompletionChunk(
-                id=self.completion_id, created=self.created, model=self.model, choices=[], usage=usage
-            )
-        else:
-            body = Completion(id=self.completion_id, created=self.created, model=self.model, choices=[], usage=usage)
-        return body.model_dump_json()
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.token_bytes.join([token_id])
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
+    def _chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+        content = []
+        for entry in logprobs:
+            token, raw = self._token(entry.token_id)
+            top = [TopLogprob(token=t, logprob=lp, bytes=b) for t, b, lp in self._top(entry)]
+            content.append(ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=raw, top_logprobs=top))
+        return ChoiceLogprobs(content=content)
 
-async def sse_events(generation: Generation, include_usage: bool) -> AsyncIterator[dict]:
-    """SSE events for one generation; leaving early (client gone) cancels it in the engine."""
-    event_id = 0
+    def _completion_logprobs(
+        self, logprobs: Sequence[TokenLogprob], offset: int
+    ) -> tuple[CompletionLogprobs | None, int]:
+        """Completions-style logprobs for tokens whose text starts at `offset`, and the offset after them."""
+        if not self.wants_logprobs:
+            return None, offset
+        result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for entry in logprobs:
+            token, _ = self._token(entry.token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(entry.logprob)
+            result.top_logprobs.append({t: lp for t, _, lp in self._top(entry)})
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result, offset
 
-    def event(data: str) -> dict:
-        nonlocal event_id
-        event_id += 1
-        return {"id": str(event_id), "data": data}
-
-    completion_tokens = 0
-    try:
-        if generation.kind == "chat":
-            yield event(generation.chunk("", role=True))
-        async for chunk in generation.channel:
-            completion_tokens += len(chunk.token_ids)
-            if chunk.text:
-                yield event(generation.chunk(chunk.text))
-            if chunk.finish_reason == FinishReason.ERROR:
-                yield event(_error_json(chunk))
-            elif chunk.is_terminal:
-                yield event(generation.chunk(None if generation.kind == "chat" else "", chunk.finish_reason.value))
-        if include_usage:
-            yield event(generation.usage_chunk(completion_tokens))
-        yield event("[DONE]")
-    finally:
-        generation.channel.cancel()
+    def _top(self, entry: TokenLogprob) -> list[tuple[str, list[int], float]]:
+        return [(*self._token(token_id), logprob) for token_id, logprob in entry.top]
 
 
-async def fold(generation: Generation) -> ChatCompletion | Completion:
-    """The whole response at once: the same chunks, concatenated."""
-    texts: list[str] = []
-    completion_tokens = 0
-    last: Chunk | None = None
-    try:
-        async for last in generation.channel:
-            completion_tokens += len(last.token_ids)
-            texts.append(last.text)
-    finally:
-        generation.channel.cancel()
-    if last is None or last.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
-        message = last.error if last and last.error else "the request was cancelled"
-        raise OpenAIError(500, message, code="engine_error")
-    text, reason, usage = "".join(texts), last.finish_reason.value, generation.usage(completion_tokens)
-    ids = {"id": generation.completion_id, "created": generation.created, "model": generation.model}
-    if generation.kind == "chat":
-        choice = ChatChoice(message=ChatResponseMessage(content=text), finish_reason=reason)
-        return ChatCompletion(**ids, choices=[choice], usage=usage)
-    return Completion(**ids, choices=[CompletionChoice(text=text, finish_reason=reason)], usage=usage)
+def _timings(timings: engine_channel.Timings | None) -> Timings | None:
+    if timings is None:
+        return None
+    return Timings(
+        queue_ms=round(timings.queue_ms, 3),
+        prompt_n=timings.prompt_tokens,
+        prompt_ms=round(timings.prompt_ms, 3),
+        ttft_ms=round(timings.ttft_ms, 3),
+        predicted_n=timings.completion_tokens,
+        predicted_ms=round(timings.decode_ms, 3),
+        predicted_per_second=round(timings.decode_tokens_per_second, 3),
+    )
 
 
 def _error_json(chunk: Chunk) -> str:
-    body = error_body(500, chunk.error or "generation failed", code="engine_error")
+    if chunk.finish_reason == FinishReason.CANCELLED:
+        body = error_body(499, "the stream was cancelled", code="cancelled")
+    else:
+        body = error_body(500, chunk.error or "generation failed", code="engine_error")
     return json.dumps(body)
 
 
-def event_stream(generation: Generation, include_usage: bool) -> EventSourceResponse:
-    """The SSE response, returned before the first token exists."""
+def event_stream(events: AsyncIterator[dict], keepalive_seconds: float) -> EventSourceResponse:
+    """The SSE response, returned before the first token exists; a comment every
+    `keepalive_seconds` keeps proxies from closing a quiet stream."""
     return EventSourceResponse(
-        sse_events(generation, include_usage),
-        ping=KEEPALIVE_SECONDS,
+        events,
+        ping=keepalive_seconds,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

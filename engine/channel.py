@@ -1,4 +1,4 @@
-"""StreamChannel: the only way data travels from the engine thread to the event loop."""
+"""StreamChannel: the only way data travels between the engine thread and the event loop."""
 
 from __future__ import annotations
 
@@ -8,42 +8,86 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.request import FinishReason
+from engine.sampler import TokenLogprob
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where one choice's time went (llama.cpp's `timings`, in milliseconds)."""
+
+    queue_ms: float
+    prompt_ms: float
+    ttft_ms: float
+    decode_ms: float
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first token comes out of the prefill; decode speed counts the ones after it.
+        if self.completion_tokens < 2 or self.decode_ms <= 0:
+            return 0.0
+        return (self.completion_tokens - 1) * 1000.0 / self.decode_ms
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """What one engine step produced for one request."""
+    """Output of one choice since its previous chunk."""
 
     token_ids: tuple[int, ...]
     text: str
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     error: str | None = None
+    timings: Timings | None = None
 
     @property
     def is_terminal(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk followed by `later` of the same choice, as one."""
+        return Chunk(
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            index=self.index,
+            logprobs=self.logprobs + later.logprobs,
+            finish_reason=later.finish_reason,
+            error=later.error,
+            timings=later.timings,
+        )
+
 
 class StreamChannel:
-    """Engine → loop chunk queue plus the loop → engine cancel flag.
+    """Engine → loop chunks plus two signals back: the cancel flag and how far the reader got.
 
-    Keeps the terminal guarantee: after the first terminal chunk nothing more is
-    delivered, so every reader sees exactly one and then stops.
+    Keeps the terminal guarantee: after a choice's terminal chunk nothing more is
+    delivered for it, and the reader stops after the last choice's.
+    A reader that falls behind gets its pending chunks merged into one per choice,
+    never dropped or reordered, and the scheduler pauses the request while
+    `unread_tokens` is past its bound.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int = 1) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self._cancelled = threading.Event()
-        self._closed = False
+        self._num_choices = num_choices
+        self._open_choices = set(range(num_choices))
+        # Written by one thread each; reads of a Python int from the other are atomic.
+        self._pushed_tokens = 0
+        self._read_tokens = 0
 
     # Engine thread side.
 
     def push(self, chunk: Chunk) -> None:
-        """Hand a chunk to the loop without waiting; a no-op once the terminal chunk went out."""
-        if self._closed:
+        """Hand a chunk to the loop without waiting; a no-op once the choice's terminal went out."""
+        if chunk.index not in self._open_choices:
             return
-        self._closed = chunk.is_terminal
+        if chunk.is_terminal:
+            self._open_choices.discard(chunk.index)
+        self._pushed_tokens += len(chunk.token_ids)
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
         except RuntimeError:
@@ -52,11 +96,15 @@ class StreamChannel:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return not self._open_choices
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def unread_tokens(self) -> int:
+        return self._pushed_tokens - self._read_tokens
 
     # Event loop side.
 
@@ -65,8 +113,18 @@ class StreamChannel:
         self._cancelled.set()
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
-        while True:
-            chunk = await self._queue.get()
-            yield chunk
-            if chunk.is_terminal:
-                return
+        open_choices = self._num_choices
+        while open_choices:
+            for chunk in self._coalesce([await self._queue.get()]):
+                self._read_tokens += len(chunk.token_ids)
+                open_choices -= chunk.is_terminal
+                yield chunk
+
+    def _coalesce(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Everything queued, merged into one chunk per choice in first-seen order."""
+        while not self._queue.empty():
+            chunks.append(self._queue.get_nowait())
+        merged: dict[int, Chunk] = {}
+        for chunk in chunks:
+            merged[chunk.index] = merged[chunk.index].then(chunk) if chunk.index in merged else chunk
+        return list(merged.values())

@@ -95,3 +95,43 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Release what is held; a character that never completed becomes U+FFFD."""
         return self._utf8.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Cuts text at the first stop string, holding back any tail that could still grow into one.
+
+    Released text therefore never contains a stop string or the start of one that later
+    completes; held text is released once the next delta rules the match out.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to release, whether a stop string was found); after a match, drop the rest."""
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        # The first stop string to complete wins (the longest if several end together), so
+        # the cut is the same however the text was split into deltas.
+        matches = [(i + len(stop), -len(stop), i) for stop in self._stops if (i := buffer.find(stop)) >= 0]
+        if matches:
+            self._held = ""
+            return buffer[: min(matches)[2]], True
+        hold = self._longest_partial_match(buffer)
+        self._held = buffer[len(buffer) - hold :]
+        return buffer[: len(buffer) - hold], False
+
+    def flush(self) -> str:
+        """Release what is held: the stream ended for another reason, so it can no longer match."""
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_partial_match(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that is a proper prefix of some stop string."""
+        for length in range(min(len(buffer), max(map(len, self._stops)) - 1), 0, -1):
+            tail = buffer[-length:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return length
+        return 0

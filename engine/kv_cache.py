@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,11 @@ from engine.request import Request
 
 
 class BlockManager:
-    """Hands out fixed-size KV blocks; `num_free + num_used == num_blocks` at all times."""
+    """Hands out fixed-size KV blocks; `num_free + num_used == num_blocks` at all times.
+
+    A block can be listed by several block tables (choices forked off one prompt); it
+    returns to the pool when the last of them lets go.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -19,7 +24,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, Request] = {}
+        self._refs: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -27,7 +32,7 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return len(self._owner)
+        return len(self._refs)
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks `request` lacks to hold its computed tokens plus `num_new_tokens` more."""
@@ -43,29 +48,51 @@ class BlockManager:
         if needed > len(self._free):
             raise RuntimeError(f"allocate() of {needed} blocks with {len(self._free)} free")
         for _ in range(needed):
-            block_id = self._free.popleft()
-            self._owner[block_id] = request
-            request.block_table.append(block_id)
+            request.block_table.append(self._take())
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` the blocks of the parent's first `num_tokens` tokens: full blocks shared,
+        a partly filled last block copied, since both will write into it. Returns the
+        (source, destination) blocks whose contents the caller must copy, or None when no
+        block is free for the copy."""
+        num_full = num_tokens // self.block_size
+        shared = parent.block_table[:num_full]
+        partial = parent.block_table[num_full : -(-num_tokens // self.block_size)]
+        if not self.can_allocate(len(partial)):
+            return None
+        for block_id in shared:
+            self._refs[block_id] += 1
+        copies = [(source, self._take()) for source in partial]
+        child.block_table = shared + [destination for _, destination in copies]
+        return copies
 
     def deallocate(self, request: Request) -> None:
-        """Return every block of `request` to the pool."""
+        """Let go of every block of `request`; unshared ones return to the pool."""
         for block_id in request.block_table:
-            del self._owner[block_id]
-            self._free.append(block_id)
+            self._refs[block_id] -= 1
+            if not self._refs[block_id]:
+                del self._refs[block_id]
+                self._free.append(block_id)
         request.block_table.clear()
 
-    def check_integrity(self) -> None:
-        """Raise if a block is lost, doubly owned or owned by a table that does not list it."""
+    def _take(self) -> int:
+        block_id = self._free.popleft()
+        self._refs[block_id] = 1
+        return block_id
+
+    def check_integrity(self, requests: Iterable[Request]) -> None:
+        """Raise if a block is lost or free twice, or if the block tables of `requests` (every
+        live request) do not account for exactly the used blocks and their share counts."""
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a block is free twice")
-        if free & self._owner.keys():
+        if free & self._refs.keys():
             raise AssertionError("a block is both free and used")
-        if len(free) + len(self._owner) != self.num_blocks:
-            raise AssertionError(f"free {len(free)} + used {len(self._owner)} != {self.num_blocks}")
-        for block_id, request in self._owner.items():
-            if block_id not in request.block_table:
-                raise AssertionError(f"block {block_id} is owned but not in its block table")
+        if len(free) + len(self._refs) != self.num_blocks:
+            raise AssertionError(f"free {len(free)} + used {len(self._refs)} != {self.num_blocks}")
+        listed = Counter(block_id for request in requests for block_id in request.block_table)
+        if listed != Counter(self._refs):
+            raise AssertionError(f"block tables list {dict(listed)}, but the pool counts {self._refs}")
 
 
 @dataclass

@@ -69,6 +69,17 @@ class ModelRunner:
         )
         return samplers, logits
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of whole blocks, (source, destination), in every layer."""
+        if not copies:
+            return
+        offsets = torch.arange(self.block_size, device=self.device)
+        sources, destinations = (self._tensor(list(blocks)) for blocks in zip(*copies))
+        source_slots = (sources.unsqueeze(1) * self.block_size + offsets).flatten()
+        destination_slots = (destinations.unsqueeze(1) * self.block_size + offsets).flatten()
+        for storage in (self.kv_cache.key, self.kv_cache.value):
+            storage[:, destination_slots] = storage[:, source_slots]
+
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         table, size = request.block_table, self.block_size
         return [table[p // size] * size + p % size for p in range(start, end)]

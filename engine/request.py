@@ -11,7 +11,8 @@ import torch
 
 if TYPE_CHECKING:
     from engine.channel import StreamChannel
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+    from engine.sampler import TokenLogprob
 
 
 class FinishReason(str, Enum):
@@ -53,11 +54,30 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    # None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely.
+    logprobs: int | None = None
+    n: int = 1
+    # Tokens per chunk; a lagging reader gets bigger chunks regardless (see StreamChannel).
+    stream_interval: int = 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
 
 @dataclass(eq=False)
@@ -69,7 +89,12 @@ class Request:
     params: SamplingParams
     channel: StreamChannel
     detokenizer: IncrementalDetokenizer
+    stop_matcher: StopMatcher
+    # Which of the n choices this is; choices of one request share the channel.
+    index: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     # Prompt followed by every sampled token; what the KV cache must eventually hold.
     token_ids: list[int] = field(init=False)
     # Tokens whose K/V are in the cache; prefill, chunked prefill and decode all advance it.
@@ -79,15 +104,24 @@ class Request:
     # An error message, set only with FINISHED_ERROR.
     error: str | None = None
     generator: torch.Generator | None = field(init=False, default=None)
+    # Choices still to be forked off this one once its prompt is prefilled (n > 1).
+    num_pending_forks: int = field(init=False, default=0)
+    # Output produced but not yet pushed (stream_interval > 1, or held for a stop string).
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_text: list[str] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.index == 0:
+            self.num_pending_forks = self.params.n - 1
         if not self.params.greedy:
             self.generator = torch.Generator()
             if self.params.seed is None:
                 self.generator.seed()
             else:
-                self.generator.manual_seed(self.params.seed)
+                # Each choice of a seeded request gets its own reproducible stream.
+                self.generator.manual_seed(self.params.seed + self.index)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,6 +134,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_finished(self) -> bool:

@@ -1,36 +1,84 @@
-"""Sampler: greedy, temperature, top-k and top-p over a batch, each request with its own generator."""
+"""Sampler: logits → tokens (penalties, logit bias, temperature, top-k/p, min-p) and their logprobs.
+
+Each request draws from its own generator, so a seeded request gives the same
+tokens whoever shares its batch.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 
 
-def sample(requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
-    """One token per row of `logits` [R, V]; seeded requests draw only from their own generator."""
-    greedy = logits.argmax(dim=-1).tolist()
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # One entry per row; None where the request did not ask for logprobs.
+    logprobs: list[TokenLogprob | None]
+
+
+def sample(requests: Sequence[Request], logits: torch.Tensor) -> SamplerOutput:
+    """One token per row of float32 `logits` [R, V], row i belonging to requests[i]."""
+    processed = apply_penalties(requests, logits)
+    token_ids = processed.argmax(dim=-1).tolist()
     rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if rows:
+        sampled_requests = [requests[i] for i in rows]
+        probs = probabilities(processed[rows], sampled_requests)
+        # Inverse-CDF sampling: one uniform per request from its own generator keeps a seeded
+        # request's draws independent of whoever else shares the batch.
+        uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in sampled_requests]).to(probs.device)
+        cdf = probs.cumsum(dim=-1)
+        # cdf[-1] can fall a hair short of 1; scale u to it so it never lands past the last token.
+        choice = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)).squeeze(1)
+        for row, token_id in zip(rows, choice.clamp_(max=logits.shape[1] - 1).tolist()):
+            token_ids[row] = token_id
+    return SamplerOutput(token_ids, token_logprobs(requests, logits, token_ids))
+
+
+def apply_penalties(requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+    """Presence, frequency and repetition penalties and logit bias; a copy when any applies."""
+    rows = [i for i, r in enumerate(requests) if r.params.penalized]
     if not rows:
-        return greedy
-    sampled_requests = [requests[i] for i in rows]
-    probs = _probabilities(logits[rows], sampled_requests)
-    # Inverse-CDF sampling: one uniform per request from its own generator keeps a seeded
-    # request's draws independent of whoever else shares the batch.
-    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in sampled_requests]).to(probs.device)
-    cdf = probs.cumsum(dim=-1)
-    # cdf[-1] can fall a hair short of 1; clamp so u never lands past the last token.
-    choice = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)).squeeze(1)
-    choice = choice.clamp_(max=logits.shape[1] - 1).tolist()
-    for row, token_id in zip(rows, choice):
-        greedy[row] = token_id
-    return greedy
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    for row in rows:
+        request = requests[row]
+        params = request.params
+        values = logits[row]
+        if params.presence_penalty or params.frequency_penalty:
+            output = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+            counts = torch.zeros_like(values).scatter_add_(0, output, torch.ones_like(output, dtype=values.dtype))
+            values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if params.repetition_penalty != 1.0:
+            # As in CTRL and Hugging Face: over prompt and output, shrink toward less likely.
+            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=device)
+            scores = values[seen]
+            values[seen] = torch.where(
+                scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty
+            )
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            values[list(ids)] += torch.tensor(biases, dtype=values.dtype, device=device)
+    return logits
 
 
-def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Softmax after temperature, top-k and top-p, per row."""
+def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Softmax after temperature, top-k, top-p and min-p, per row."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in requests], device=device).unsqueeze(1)
     logits = logits / temperature
@@ -48,4 +96,30 @@ def _probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
         drop |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    min_p = [r.params.min_p for r in requests]
+    if any(min_p):
+        floor = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs /= probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def token_logprobs(
+    requests: Sequence[Request], logits: torch.Tensor, token_ids: Sequence[int]
+) -> list[TokenLogprob | None]:
+    """Log-probabilities under the model's own distribution (before penalties and temperature),
+    as OpenAI and vLLM report them."""
+    result: list[TokenLogprob | None] = [None] * len(requests)
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return result
+    logprobs = logits[rows].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1))
+    k = max(requests[i].params.logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for j, row in enumerate(rows):
+        want = requests[row].params.logprobs
+        top = tuple(zip(top_ids[j, :want].tolist(), top_values[j, :want].tolist()))
+        result[row] = TokenLogprob(token_ids[row], chosen[j, 0].item(), top)
+    return result

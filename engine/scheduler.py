@@ -8,6 +8,7 @@ token behind; a prompt longer than the budget is prefilled in chunks across step
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ class StepPlan:
 
     # (request, number of its tokens computed this step), decodes before prefill chunks.
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    # Running requests skipped because their reader is behind.
+    num_paused: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -41,12 +44,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        max_unread_tokens: int = 256,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.max_unread_tokens = max_unread_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -62,7 +67,11 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     def schedule(self) -> StepPlan:
-        """Running requests first (decodes ahead of prefill chunks), then admit waiting ones."""
+        """Running requests first (decodes ahead of prefill chunks), then admit waiting ones.
+
+        A request whose reader has fallen `max_unread_tokens` behind is paused: it keeps
+        its KV blocks and its seat but computes nothing until the reader catches up.
+        """
         plan = StepPlan()
         budget = self.max_num_batched_tokens
         # A stable sort keeps arrival order within each group; decodes go first so a
@@ -72,6 +81,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.channel.unread_tokens >= self.max_unread_tokens:
+                plan.num_paused += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, plan):
                 continue
@@ -79,18 +91,24 @@ class Scheduler:
             plan.scheduled.append((request, num_new))
             budget -= num_new
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seats() + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             self.block_manager.allocate(request, num_new)
             plan.scheduled.append((request, num_new))
             budget -= num_new
         return plan
+
+    def _num_seats(self) -> int:
+        """Running requests, counting the choices each will still fork."""
+        return len(self.running) + sum(r.num_pending_forks for r in self.running)
 
     def _make_room(self, request: Request, num_new: int, plan: StepPlan) -> bool:
         """Preempt the youngest unscheduled running requests until `request` fits; False if
@@ -114,23 +132,50 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def postprocess(self, plan: StepPlan, sampled: dict[int, int]) -> None:
-        """Advance counters, append sampled tokens (keyed by id(request)) and latch finishes."""
+    def postprocess(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance counters, append sampled tokens (keyed by id(request)) and latch finishes.
+
+        Tokens after the one that finishes a request are dropped. Returns each sampling
+        request with the tokens it kept.
+        """
+        kept: list[tuple[Request, list[int]]] = []
         for request, num_new in plan.scheduled:
             request.num_computed_tokens += num_new
-            token_id = sampled.get(id(request))
-            if token_id is None:
+            token_ids = sampled.get(id(request))
+            if token_ids is None:
                 continue
-            request.token_ids.append(token_id)
-            if token_id in self.eos_token_ids:
-                request.finish(RequestStatus.FINISHED_STOPPED)
-            elif (
-                request.num_output_tokens >= request.params.max_tokens
-                or request.num_tokens >= self.max_model_len
-            ):
-                request.finish(RequestStatus.FINISHED_LENGTH)
-            if request.is_finished:
-                self.free(request)
+            for count, token_id in enumerate(token_ids, start=1):
+                request.token_ids.append(token_id)
+                if self.is_stop_token(request, token_id):
+                    request.finish(RequestStatus.FINISHED_STOPPED)
+                elif (
+                    request.num_output_tokens >= request.params.max_tokens
+                    or request.num_tokens >= self.max_model_len
+                ):
+                    request.finish(RequestStatus.FINISHED_LENGTH)
+                if request.is_finished:
+                    kept.append((request, token_ids[:count]))
+                    self.free(request)
+                    break
+            else:
+                kept.append((request, list(token_ids)))
+        return kept
+
+    def is_stop_token(self, request: Request, token_id: int) -> bool:
+        """Whether `token_id` ends `request`: eos (unless ignore_eos) or one of its stop_token_ids."""
+        if token_id in request.params.stop_token_ids:
+            return True
+        return token_id in self.eos_token_ids and not request.params.ignore_eos
+
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """Seat a choice forked off `parent`: running beside it when its KV was shared, else
+        first in line to recompute."""
+        if child.block_table:
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
 
     def free(self, request: Request) -> None:
         """Drop a finished request from the queues and return its KV blocks."""

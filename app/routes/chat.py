@@ -8,7 +8,7 @@ from sse_starlette import EventSourceResponse
 from app.prompting import chat_prompt_ids
 from app.protocol import ChatCompletion, ChatCompletionRequest
 from app.state import ServerState, get_state
-from app.streaming import Generation, event_stream, fold
+from app.streaming import Generation, event_stream
 
 router = APIRouter()
 
@@ -19,8 +19,9 @@ async def create_chat_completion(
 ) -> EventSourceResponse | ChatCompletion:
     state.check_model(body.model)
     prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages)
-    params = body.to_sampling_params(len(prompt_ids), state.max_model_len)
-    generation = Generation.start(state.engine, "chat", state.model_name, prompt_ids, params)
-    if body.stream:
-        return event_stream(generation, body.include_usage)
-    return await fold(generation)
+    params = body.to_sampling_params(len(prompt_ids), state.limits)
+    generation = Generation.start(state.engine, "chat", state.model_name, prompt_ids, params, body.include_usage)
+    if not body.stream:
+        return await generation.fold()
+    events = state.streams.serve(generation, body.resumable)
+    return event_stream(events, state.settings.keepalive_seconds)

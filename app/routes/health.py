@@ -22,6 +22,7 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "kv_blocks_total": stats.kv_blocks_total,
         "num_running": stats.num_running,
         "num_waiting": stats.num_waiting,
+        "num_paused": stats.num_paused,
     }
     return JSONResponse(body, status_code=200 if alive else 503)
 

@@ -12,4 +12,4 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(state: ServerState = Depends(get_state)) -> ModelList:
-    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
+    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.limits.max_model_len)])

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.channel import Chunk, StreamChannel
-from engine.detokenizer import IncrementalDetokenizer, TokenBytes
+from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from engine.engine import Engine, EngineConfig
 from engine.loader import LoadedModel
 from engine.model import PagedCausalLM
@@ -51,24 +51,33 @@ def tiny_loaded(tokenizer, model_type: str = "llama") -> LoadedModel:
 
 
 def tiny_engine(loaded: LoadedModel, **overrides) -> Engine:
-    config = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=1024, block_size=4, num_kv_blocks=512)
+    config = dict(
+        max_num_seqs=16,
+        max_num_batched_tokens=32,
+        max_model_len=1024,
+        block_size=4,
+        num_kv_blocks=512,
+        max_unread_tokens=1 << 20,
+    )
     config.update(overrides)
     return Engine(loaded, EngineConfig(**config))
 
 
-def make_request(prompt_len: int, max_tokens: int = 8, token_bytes: TokenBytes | None = None) -> Request:
+def make_request(prompt_len: int, max_tokens: int = 8, params: SamplingParams | None = None) -> Request:
     """A request for scheduler tests: no model, no loop is ever touched."""
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return Request(
         request_id="r",
         prompt_token_ids=list(range(1, prompt_len + 1)),
-        params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-        channel=StreamChannel(asyncio.new_event_loop()),
-        detokenizer=IncrementalDetokenizer(token_bytes or TokenBytes([b""] * TINY_VOCAB)),
+        params=params,
+        channel=StreamChannel(asyncio.new_event_loop(), num_choices=params.n),
+        detokenizer=IncrementalDetokenizer(TokenBytes([b""] * TINY_VOCAB)),
+        stop_matcher=StopMatcher(params.stop),
     )
 
 
 async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[Chunk]:
-    channel = StreamChannel(asyncio.get_running_loop())
+    channel = StreamChannel(asyncio.get_running_loop(), num_choices=params.n)
     engine.submit("t", prompt, params, channel)
     return [chunk async for chunk in channel]
 

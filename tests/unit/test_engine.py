@@ -70,7 +70,7 @@ async def test_cancel_frees_kv_blocks_and_leaves_others_running(engine):
     assert rest[-1].finish_reason == FinishReason.CANCELLED
     assert len(tokens_of(await other)) == 40
     await wait_for(lambda: engine.stats.kv_blocks_used == 0)
-    engine.block_manager.check_integrity()
+    engine.block_manager.check_integrity(engine.scheduler.requests())
 
 
 async def test_fault_in_a_step_ends_every_live_stream_with_an_error(engine):
@@ -110,6 +110,121 @@ async def test_preemption_under_a_small_kv_pool_keeps_outputs_exact(loaded):
         results = await asyncio.gather(*[collect(tight, p, greedy(30)) for p in prompts])
         assert tight.stats.num_preemptions > 0
         assert [tokens_of(r) for r in results] == expected
-        tight.block_manager.check_integrity()
+        tight.block_manager.check_integrity(tight.scheduler.requests())
     finally:
         tight.shutdown()
+
+
+def text_of(chunks):
+    return "".join(c.text for c in chunks)
+
+
+def by_choice(chunks):
+    choices = {}
+    for chunk in chunks:
+        choices.setdefault(chunk.index, []).append(chunk)
+    return choices
+
+
+async def test_n_choices_share_one_prefill_and_each_end_once(engine):
+    prompt = list(range(1, 40))
+    alone = tokens_of(await collect(engine, prompt, greedy(12)))
+    steps_before = engine.stats.num_steps
+    chunks = await collect(engine, prompt, SamplingParams(max_tokens=12, temperature=0.0, n=3))
+    choices = by_choice(chunks)
+    assert sorted(choices) == [0, 1, 2]
+    for index, choice in choices.items():
+        assert [c.is_terminal for c in choice].count(True) == 1 and choice[-1].is_terminal
+        assert tokens_of(choice) == alone, index
+    # One 39-token prefill (two chunks at a 32-token budget) and 11 decode steps, not three prefills.
+    assert engine.stats.num_steps - steps_before <= 2 + 11 + 1
+    await wait_for(lambda: engine.stats.kv_blocks_used == 0)
+    engine.block_manager.check_integrity(engine.scheduler.requests())
+
+
+async def test_seeded_choices_match_single_requests_seeded_in_turn(engine):
+    prompt = list(range(5, 35))  # 30 tokens: the last KV block is partly filled and gets copied
+    params = dict(max_tokens=16, temperature=1.0, top_k=50)
+    singles = [tokens_of(await collect(engine, prompt, SamplingParams(**params, seed=10 + i))) for i in range(3)]
+    choices = by_choice(await collect(engine, prompt, SamplingParams(**params, seed=10, n=3)))
+    assert [tokens_of(choices[i]) for i in range(3)] == singles
+    assert len({tuple(s) for s in singles}) > 1
+
+
+async def test_n_choices_without_a_free_block_prefill_on_their_own(loaded):
+    # 13 tokens in blocks of 4: the fourth block is partial and each fork needs a copy of it.
+    tight = tiny_engine(loaded, num_kv_blocks=5, block_size=4, max_model_len=20)
+    tight.start()
+    try:
+        prompt = list(range(1, 14))
+        alone = tokens_of(await collect(tight, prompt, greedy(3)))
+        choices = by_choice(await collect(tight, prompt, SamplingParams(max_tokens=3, temperature=0.0, n=3)))
+        assert [tokens_of(choices[i]) for i in range(3)] == [alone] * 3
+        await wait_for(lambda: tight.stats.kv_blocks_used == 0)
+    finally:
+        tight.shutdown()
+
+
+async def test_stop_string_cuts_the_text_and_finishes_with_stop(engine):
+    prompt = [20, 30, 40, 50]
+    full = text_of(await collect(engine, prompt, greedy(40)))
+    stop = full[15:18]
+    cut = full[: full.index(stop)]
+    chunks = await collect(engine, prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=(stop, "never")))
+    assert text_of(chunks) == cut
+    assert chunks[-1].finish_reason == FinishReason.STOP
+    assert len(tokens_of(chunks)) < 40
+
+
+async def test_stop_token_ends_the_output_without_its_text(engine):
+    prompt = [7, 8, 9]
+    full = tokens_of(await collect(engine, prompt, greedy(20)))
+    stop_token = full[6]
+    chunks = await collect(
+        engine, prompt, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=frozenset({stop_token}))
+    )
+    kept = full[: full.index(stop_token) + 1]
+    assert tokens_of(chunks) == kept and chunks[-1].finish_reason == FinishReason.STOP
+    assert text_of(chunks) == engine.token_bytes.join(kept[:-1]).decode(errors="replace")
+
+
+async def test_stream_interval_groups_tokens_and_the_terminal_flushes(engine):
+    chunks = await collect(engine, [1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0, stream_interval=4))
+    assert [len(c.token_ids) for c in chunks] == [4, 4, 2]
+    assert tokens_of(chunks) == tokens_of(await collect(engine, [1, 2, 3], greedy(10)))
+
+
+async def test_logprobs_come_with_every_token(engine):
+    chunks = await collect(engine, [4, 5, 6], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3))
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in logprobs] == tokens_of(chunks)
+    for lp in logprobs:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the sampled token is the best
+        assert lp.logprob <= 0 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+async def test_terminal_chunk_carries_timings(engine):
+    chunks = await collect(engine, list(range(1, 20)), greedy(8))
+    timings = chunks[-1].timings
+    assert all(c.timings is None for c in chunks[:-1])
+    assert timings.prompt_tokens == 19 and timings.completion_tokens == 8
+    assert 0 <= timings.queue_ms <= timings.ttft_ms and timings.decode_ms > 0
+    assert timings.decode_tokens_per_second > 0
+
+
+async def test_a_reader_that_stops_reading_pauses_its_request_only(loaded):
+    engine = tiny_engine(loaded, max_unread_tokens=8)
+    engine.start()
+    try:
+        expected = tokens_of(await collect(engine, [3, 1, 4], greedy(60)))
+        stalled = StreamChannel(asyncio.get_running_loop())
+        engine.submit("stalled", [3, 1, 4], greedy(60), stalled)
+        await wait_for(lambda: engine.stats.num_paused == 1)
+        # Others are served at full pace while it waits.
+        assert len(tokens_of(await collect(engine, [2, 7], greedy(40)))) == 40
+        assert stalled.unread_tokens == 8
+        chunks = [c async for c in stalled]
+        assert len(chunks[0].token_ids) == 8, "the backlog arrives as one coalesced chunk"
+        assert tokens_of(chunks) == expected
+    finally:
+        engine.shutdown()

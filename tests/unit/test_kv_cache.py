@@ -14,7 +14,7 @@ def test_allocate_grows_block_table_to_cover_tokens():
     request.num_computed_tokens = 9
     assert manager.num_blocks_needed(request, 3) == 0
     assert manager.num_blocks_needed(request, 4) == 1
-    manager.check_integrity()
+    manager.check_integrity([request])
 
 
 def test_deallocate_returns_every_block():
@@ -27,7 +27,7 @@ def test_deallocate_returns_every_block():
     assert manager.num_used == 2 and a.block_table == []
     manager.deallocate(b)
     assert manager.num_free == manager.num_blocks
-    manager.check_integrity()
+    manager.check_integrity([a, b])
 
 
 def test_allocate_refuses_more_than_free():
@@ -45,4 +45,4 @@ def test_check_integrity_catches_a_lost_block():
     manager.allocate(request, 4)
     request.block_table.clear()
     with pytest.raises(AssertionError):
-        manager.check_integrity()
+        manager.check_integrity([request])

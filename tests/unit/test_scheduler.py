@@ -17,7 +17,7 @@ def run_step(scheduler, token=7):
     sampled = {}
     for request, n in plan.scheduled:
         if request.num_computed_tokens + n == request.num_tokens:
-            sampled[id(request)] = token
+            sampled[id(request)] = [token]
     scheduler.postprocess(plan, sampled)
     return plan
 
@@ -86,12 +86,12 @@ def test_out_of_blocks_preempts_the_youngest_and_it_recomputes():
     # Both need 28 slots in the end, 7 blocks each: only one fits in 8 at a time.
     while scheduler.num_preemptions == 0:
         run_step(scheduler)
-        manager.check_integrity()
+        manager.check_integrity(scheduler.requests())
     assert young.status == RequestStatus.PREEMPTED and young.block_table == []
     assert old.status == RequestStatus.RUNNING
     while scheduler.has_unfinished:
         run_step(scheduler)
-        manager.check_integrity()
+        manager.check_integrity(scheduler.requests())
     assert old.num_output_tokens == young.num_output_tokens == 20
     assert manager.num_used == 0
 
@@ -111,7 +111,7 @@ def test_random_workload_keeps_block_accounting_exact():
             before = len(scheduler.requests())
             run_step(scheduler)
             finished += before - len(scheduler.requests())
-        manager.check_integrity()
+        manager.check_integrity(scheduler.requests())
         used = sum(len(r.block_table) for r in scheduler.running)
         assert used == manager.num_used
     assert finished > 20

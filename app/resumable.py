@@ -1,0 +1,139 @@
+"""Live streams by completion id: explicit cancel for any, replay and resume for resumable ones.
+
+A resumable stream is read from its channel by a task of its own into an event
+log, so generation goes on while no client is connected; clients subscribe to
+the log from any event id. Nobody subscribed for the resume window: the request
+is cancelled and the log dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from app.streaming import Generation
+
+
+class ResumableStream:
+    """One resumable generation's numbered events (event i has id i + 1) and its subscribers."""
+
+    def __init__(self, generation: Generation, registry: StreamRegistry) -> None:
+        self.generation = generation
+        self._registry = registry
+        self._events: list[str] = []
+        self._done = False
+        # Replaced on every append: a subscriber awaits the one it saw, so no append is missed.
+        self._grew = asyncio.Event()
+        self._subscribers = 0
+        self._expiry: asyncio.TimerHandle | None = None
+
+    @property
+    def num_events(self) -> int:
+        return len(self._events)
+
+    async def run(self) -> None:
+        """Read the whole generation into the log, whoever is listening."""
+        try:
+            async for data in self.generation.events():
+                self._events.append(data)
+                self._wake()
+        finally:
+            self._done = True
+            self._wake()
+
+    async def subscribe(self, after: int) -> AsyncIterator[dict]:
+        """Every event after id `after`, then live ones until [DONE]."""
+        self._attach()
+        delivered = after
+        try:
+            while True:
+                grew = self._grew
+                while delivered < len(self._events):
+                    delivered += 1
+                    yield {"id": str(delivered), "data": self._events[delivered - 1]}
+                if self._done:
+                    # A client has everything: nobody needs the log any more.
+                    self._registry.forget(self)
+                    return
+                await grew.wait()
+        finally:
+            self._detach()
+
+    def cancel(self) -> None:
+        self.generation.channel.cancel()
+
+    def _wake(self) -> None:
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    def _attach(self) -> None:
+        self._subscribers += 1
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _detach(self) -> None:
+        self._subscribers -= 1
+        if not self._subscribers and self._registry.holds(self):
+            self._expiry = asyncio.get_running_loop().call_later(self._registry.window_seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        if not self._subscribers:
+            self.cancel()
+            self._registry.forget(self)
+
+
+class StreamRegistry:
+    """Every streamed generation in flight, by completion id; owned by the event loop."""
+
+    def __init__(self, window_seconds: float) -> None:
+        self.window_seconds = window_seconds
+        self._live: dict[str, Generation] = {}
+        self._resumable: dict[str, ResumableStream] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def serve(self, generation: Generation, resumable: bool) -> AsyncIterator[dict]:
+        """The numbered SSE events of a new stream."""
+        if not resumable:
+            return self._direct(generation)
+        stream = ResumableStream(generation, self)
+        self._resumable[generation.completion_id] = stream
+        task = asyncio.get_running_loop().create_task(stream.run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return stream.subscribe(after=0)
+
+    def resumable(self, completion_id: str) -> ResumableStream | None:
+        return self._resumable.get(completion_id)
+
+    def cancel(self, completion_id: str) -> bool:
+        """Cancel a live stream of any kind; False when there is none by that id."""
+        if stream := self._resumable.get(completion_id):
+            stream.cancel()
+            return True
+        if generation := self._live.get(completion_id):
+            generation.channel.cancel()
+            return True
+        return False
+
+    def holds(self, stream: ResumableStream) -> bool:
+        return self._resumable.get(stream.generation.completion_id) is stream
+
+    def forget(self, stream: ResumableStream) -> None:
+        if self.holds(stream):
+            del self._resumable[stream.generation.completion_id]
+
+    async def _direct(self, generation: Generation) -> AsyncIterator[dict]:
+        """A plain stream: the reader's disconnect cancels it at once."""
+        self._live[generation.completion_id] = generation
+        payloads = generation.events()
+        try:
+            event_id = 0
+            async for data in payloads:
+                event_id += 1
+                yield {"id": str(event_id), "data": data}
+        finally:
+            # Close the inner generator now, not whenever it is collected: that cancels the request.
+            await payloads.aclose()
+            self._live.pop(generation.completion_id, None)

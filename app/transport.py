@@ -1,0 +1,30 @@
+"""Small per-connection write buffers, so a client that stops reading pushes back within kilobytes.
+
+Left to defaults, the kernel grows a socket's send buffer to megabytes and asyncio
+buffers 64 KiB more before uvicorn's `send` waits; a stalled reader would then
+cost that much memory, and keep the engine generating, before back-pressure
+reached its stream. Bounded here, the stream's own bound (`max_unread_tokens`)
+takes over after a few kilobytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+def bounded_http_protocol(write_buffer_bytes: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the socket send buffer and the transport's high-water
+    mark both set to `write_buffer_bytes`."""
+
+    class BoundedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, write_buffer_bytes)
+            transport.set_write_buffer_limits(high=write_buffer_bytes)
+
+    return BoundedH11Protocol
