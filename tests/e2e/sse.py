@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -18,9 +19,13 @@ class Event:
 
 
 def read_events(response: httpx.Response) -> list[Event]:
+    return parse_events(response.iter_lines())
+
+
+def parse_events(lines: Iterable[str]) -> list[Event]:
     events: list[Event] = []
     event_id, data = None, []
-    for line in response.iter_lines():
+    for line in lines:
         if line == "":
             if data:
                 events.append(Event(event_id, "\n".join(data)))

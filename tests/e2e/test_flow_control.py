@@ -1,0 +1,145 @@
+"""Back-pressure, keep-alive, resumable streams and explicit cancel against a real server."""
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.sse import Event, parse_events, read_events
+
+pytestmark = pytest.mark.slow
+
+
+def completion(prompt="Once upon a time", max_tokens=60, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
+
+
+def texts(events: list[Event]) -> str:
+    return "".join(c["text"] for e in events if e.data.startswith("{") for c in e.json().get("choices", []))
+
+
+def health(base) -> dict:
+    return httpx.get(f"{base}/health", timeout=5).json()
+
+
+def wait_until(predicate, timeout=90.0, interval=0.2):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(interval)
+
+
+def whole_text(base, **body) -> str:
+    body = {**completion(**body), "stream": False}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+
+async def test_a_stalled_reader_is_paused_and_others_keep_their_pace(flow_server):
+    expected = whole_text(flow_server, max_tokens=200, ignore_eos=True)
+    body = completion(max_tokens=200, ignore_eos=True)
+    small_window = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
+    async with httpx.AsyncClient(transport=small_window, timeout=180) as slow:
+        async with slow.stream("POST", f"{flow_server}/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            received = [await anext(lines)]
+            # Stop reading: the socket fills, then the stream's unread bound, then the engine pauses it.
+            await asyncio.to_thread(wait_until, lambda: health(flow_server)["num_paused"] == 1)
+            used = health(flow_server)["kv_blocks_used"]
+            start = time.monotonic()
+            async with httpx.AsyncClient(timeout=60) as fast:
+                other = await fast.post(f"{flow_server}/v1/completions", json={**body, "max_tokens": 20, "stream": False})
+            other_seconds = time.monotonic() - start
+            after = health(flow_server)
+            received += [line async for line in lines]
+    assert other.json()["usage"]["completion_tokens"] == 20 and other_seconds < 20
+    assert after["num_paused"] == 1 and after["kv_blocks_used"] == used, "the stalled stream kept generating"
+    events = parse_events(received)
+    assert events[-1].data == "[DONE]"
+    assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)]
+    assert texts(events) == expected
+    wait_until(lambda: health(flow_server)["kv_blocks_used"] == 0)
+
+
+def test_keepalive_comments_flow_while_the_prompt_prefills(flow_server):
+    # About 900 prompt tokens take seconds to prefill in float32 on CPU; pings come every 0.3 s.
+    body = completion(prompt="The quick brown fox jumps over the lazy dog. " * 90, max_tokens=2)
+    comments_before_text, seen_text = 0, False
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith(":") and not seen_text:
+                comments_before_text += 1
+            seen_text |= line.startswith("data: {")
+    assert comments_before_text >= 2
+
+
+def read_until(response: httpx.Response, last_id: int) -> list[str]:
+    """Lines up to and including event `last_id`, then stop reading (the caller drops the connection)."""
+    lines = []
+    for line in response.iter_lines():
+        lines.append(line)
+        if line == "" and any(l == f"id: {last_id}" for l in lines[-4:]):
+            return lines
+    raise AssertionError(f"the stream ended before event {last_id}")
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 3}], ids=["greedy", "seeded"])
+def test_a_resumed_stream_has_no_gap_and_no_duplicate(flow_server, sampling):
+    body = {**completion(max_tokens=50), **sampling, "resumable": True}
+    expected = whole_text(flow_server, **{**body, "resumable": False})
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
+        first = parse_events(read_until(response, 8))
+    completion_id = first[0].json()["id"]
+    time.sleep(1.0)  # generation goes on while nobody listens
+    with httpx.stream(
+        "GET", f"{flow_server}/v1/streams/{completion_id}", headers={"Last-Event-ID": "8"}, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        rest = read_events(response)
+    ids = [int(e.id) for e in first + rest]
+    assert ids == list(range(1, len(ids) + 1))
+    assert rest[-1].data == "[DONE]"
+    assert texts(first + rest) == expected
+    # Fully delivered: the stream is gone.
+    assert httpx.get(f"{flow_server}/v1/streams/{completion_id}").status_code == 404
+
+
+def test_nobody_back_within_the_window_cancels_and_frees(flow_server):
+    body = completion(max_tokens=2000, ignore_eos=True, resumable=True)
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
+        completion_id = parse_events(read_until(response, 3))[0].json()["id"]
+    assert health(flow_server)["num_running"] == 1
+    wait_until(lambda: health(flow_server)["num_running"] == 0, timeout=15)
+    assert health(flow_server)["kv_blocks_used"] == 0
+    response = httpx.get(f"{flow_server}/v1/streams/{completion_id}", headers={"Last-Event-ID": "3"})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "stream_not_found"
+
+
+def test_bad_last_event_id_is_a_400(flow_server):
+    body = completion(max_tokens=2000, ignore_eos=True, resumable=True)
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
+        completion_id = parse_events(read_until(response, 2))[0].json()["id"]
+    try:
+        for bad in ("x", "-1", "100000"):
+            got = httpx.get(f"{flow_server}/v1/streams/{completion_id}", headers={"Last-Event-ID": bad})
+            assert got.status_code == 400 and got.json()["error"]["param"] == "Last-Event-ID"
+    finally:
+        assert httpx.delete(f"{flow_server}/v1/streams/{completion_id}").status_code == 200
+    wait_until(lambda: health(flow_server)["kv_blocks_used"] == 0, timeout=15)
+
+
+@pytest.mark.parametrize("resumable", [False, True])
+def test_delete_cancels_a_stream_from_another_client(flow_server, resumable):
+    body = completion(max_tokens=2000, ignore_eos=True, resumable=resumable)
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        head = [next(lines) for _ in range(3)]
+        completion_id = parse_events(head)[0].json()["id"]
+        deleted = httpx.delete(f"{flow_server}/v1/streams/{completion_id}")
+        assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+        events = parse_events([*head, *lines])
+    assert events[-1].data == "[DONE]"
+    assert events[-2].json()["error"]["code"] == "cancelled"
+    wait_until(lambda: health(flow_server)["kv_blocks_used"] == 0, timeout=15)
+    assert httpx.delete(f"{flow_server}/v1/streams/{completion_id}").status_code == 404
