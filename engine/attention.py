@@ -78,9 +78,9 @@ def paged_attention(
 
     for chunk in meta.prefills:
         end = chunk.start + chunk.num_tokens
-        qc = q[chunk.start:end].transpose(0, 1)
+        qc = q[chunk.start : end].transpose(0, 1)
         if chunk.context_slots is None:
-            kc, vc = k[chunk.start:end], v[chunk.start:end]
+            kc, vc = k[chunk.start : end], v[chunk.start : end]
         else:
             kc, vc = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
         oc = F.scaled_dot_product_attention(
@@ -92,5 +92,5 @@ def paged_attention(
             scale=scale,
             enable_gqa=True,
         )
-        out[chunk.start:end] = oc.transpose(0, 1)
+        out[chunk.start : end] = oc.transpose(0, 1)
     return out

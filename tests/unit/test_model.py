@@ -16,7 +16,7 @@ def hf_greedy(hf_model, prompt, max_new_tokens):
     out = hf_model.generate(
         ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

@@ -26,7 +26,9 @@ def test_same_seed_same_tokens_whoever_shares_the_batch():
     logits = torch.randn(1, 100)
     alone = tokens([request(temperature=1.0, seed=42)], logits)[0]
     batch_logits = torch.cat([torch.randn(1, 100), logits, torch.randn(1, 100)])
-    batched = tokens([request(temperature=1.0), request(temperature=1.0, seed=42), request(temperature=0.7)], batch_logits)
+    batched = tokens(
+        [request(temperature=1.0), request(temperature=1.0, seed=42), request(temperature=0.7)], batch_logits
+    )
     assert batched[1] == alone
 
 
