@@ -63,6 +63,8 @@ class _SamplingRequest(_Request):
     """Extension: tokens per streamed chunk (the server default is --stream-interval)."""
     resumable: bool = False
     """Extension: the stream survives a disconnect for the resume window (GET /v1/streams/{id})."""
+    speculative: bool = True
+    """Extension: false keeps this request out of speculative decoding."""
 
     @field_validator("stop")
     @classmethod
@@ -125,6 +127,7 @@ class _SamplingRequest(_Request):
             logprobs=self._logprobs(),
             n=self.n,
             stream_interval=self.stream_interval or limits.stream_interval,
+            speculative=self.speculative,
         )
 
     @property
@@ -245,6 +248,8 @@ class Timings(BaseModel):
     predicted_n: int
     predicted_ms: float
     predicted_per_second: float
+    draft_n: int
+    draft_n_accepted: int
 
 
 def _absent(value: object) -> bool:

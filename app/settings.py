@@ -48,6 +48,20 @@ class Settings(BaseSettings):
     """Tokens per KV-cache block."""
     kv_cache_gib: float = Field(2.0, gt=0)
     """Memory for the paged KV cache, in GiB."""
+    speculative: Literal["off", "ngram", "draft"] = "off"
+    """Speculative decoding: `ngram` proposes continuations found in the request's own prompt and output;
+    `draft` decodes ahead with --draft-model."""
+    draft_model: str | None = None
+    """With --speculative draft: a local HF folder sharing the model's tokenizer, or `self:L` for the
+    model's own first L layers and head."""
+    num_speculative_tokens: int = Field(6, ge=1, le=16)
+    """Tokens proposed per request per step."""
+    ngram_min: int = Field(2, ge=1, le=8)
+    """Shortest suffix the n-gram proposer looks up."""
+    ngram_max: int = Field(3, ge=1, le=8)
+    """Longest suffix the n-gram proposer looks up (tried first)."""
+    speculative_max_batch_size: int = Field(4, ge=1)
+    """Speculate only while at most this many requests run; above it verification costs more than it saves."""
     stream_interval: int = Field(1, ge=1, le=1024)
     """Tokens per streamed chunk unless a request sets its own; the last chunk always flushes."""
     keepalive_seconds: float = Field(15.0, gt=0)

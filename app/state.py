@@ -11,8 +11,9 @@ from app.errors import OpenAIError
 from app.protocol import ServingLimits
 from app.resumable import StreamRegistry
 from app.settings import Settings
-from engine.engine import Engine, EngineConfig, num_kv_blocks_for
+from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
 from engine.loader import LoadedModel, load_model
+from engine.model import PagedCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,39 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.sluice
 
 
+def _draft_model(settings: Settings, loaded: LoadedModel) -> PagedCausalLM | None:
+    """The draft for --speculative draft: `self:L` (the model's first L layers) or a folder."""
+    if settings.speculative != "draft":
+        return None
+    if not settings.draft_model:
+        raise ValueError("--speculative draft needs --draft-model PATH or self:L")
+    if settings.draft_model.startswith("self:"):
+        return loaded.model.first_layers(int(settings.draft_model.removeprefix("self:")))
+    draft = load_model(settings.draft_model, settings.cache_dir, settings.device, settings.dtype)
+    if draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab() or draft.model.vocab_size != loaded.model.vocab_size:
+        raise ValueError(f"the draft model {settings.draft_model} does not share the served model's tokenizer")
+    return draft.model
+
+
+def _speculative_config(settings: Settings) -> SpeculativeConfig | None:
+    if settings.speculative == "off":
+        return None
+    if settings.ngram_min > settings.ngram_max:
+        raise ValueError(f"ngram_min={settings.ngram_min} is above ngram_max={settings.ngram_max}")
+    return SpeculativeConfig(
+        method=settings.speculative,
+        num_tokens=settings.num_speculative_tokens,
+        ngram_min=settings.ngram_min,
+        ngram_max=settings.ngram_max,
+        max_batch_size=settings.speculative_max_batch_size,
+    )
+
+
 def build_state(settings: Settings) -> ServerState:
     loaded = load_model(settings.model, settings.cache_dir, settings.device, settings.dtype)
+    draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
-    num_blocks = num_kv_blocks_for(settings.kv_cache_gib, loaded, settings.block_size)
+    num_blocks = num_kv_blocks_for(settings.kv_cache_gib, loaded, settings.block_size, draft_model)
     if num_blocks * settings.block_size < max_model_len:
         raise ValueError(
             f"kv_cache_gib={settings.kv_cache_gib} holds {num_blocks * settings.block_size} tokens, "
@@ -53,12 +83,13 @@ def build_state(settings: Settings) -> ServerState:
         block_size=settings.block_size,
         num_kv_blocks=num_blocks,
         max_unread_tokens=settings.max_unread_tokens,
+        speculative=_speculative_config(settings),
     )
     logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
     return ServerState(
         settings=settings,
         loaded=loaded,
-        engine=Engine(loaded, config),
+        engine=Engine(loaded, config, draft_model),
         model_name=settings.served_model_name or loaded.name,
         limits=ServingLimits(
             max_model_len=max_model_len,

@@ -257,6 +257,8 @@ def _timings(timings: engine_channel.Timings | None) -> Timings | None:
         predicted_n=timings.completion_tokens,
         predicted_ms=round(timings.decode_ms, 3),
         predicted_per_second=round(timings.decode_tokens_per_second, 3),
+        draft_n=timings.draft_tokens,
+        draft_n_accepted=timings.accepted_tokens,
     )
 
 

@@ -21,6 +21,8 @@ class Timings:
     decode_ms: float
     prompt_tokens: int
     completion_tokens: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float:

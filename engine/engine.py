@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -14,12 +15,25 @@ from engine.channel import Chunk, StreamChannel, Timings
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
+from engine.model import PagedCausalLM
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.sampler import TokenLogprob, sample
 from engine.scheduler import Scheduler, StepPlan
+from engine.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: Literal["ngram", "draft"]
+    num_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    # Above this many running requests the engine stops speculating: verification costs
+    # compute a large batch does not have to spare.
+    max_batch_size: int = 4
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,7 @@ class EngineConfig:
     num_kv_blocks: int
     # A request whose reader is this many tokens behind is paused until it catches up.
     max_unread_tokens: int = 256
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,8 @@ class EngineStats:
     kv_blocks_total: int
     num_steps: int
     num_preemptions: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
 
 
 class _InjectedFault(RuntimeError):
@@ -58,7 +75,7 @@ _SHUTDOWN_MESSAGE = "the engine is shutting down"
 class Engine:
     """Continuous batching on one thread; every submitted request gets exactly one terminal chunk."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, draft_model: PagedCausalLM | None = None) -> None:
         self.config = config
         self.token_bytes = loaded.token_bytes
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
@@ -77,6 +94,17 @@ class Engine:
         self._fault_pending = False
         self._num_steps = 0
         self._num_paused = 0
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
+        # (time, draft tokens, accepted tokens) at the last acceptance log line.
+        self._acceptance_logged = (time.monotonic(), 0, 0)
+        self.proposer: Proposer | None = None
+        if config.speculative is not None and config.speculative.method == "ngram":
+            self.proposer = NgramProposer(config.speculative.ngram_min, config.speculative.ngram_max)
+        elif config.speculative is not None:
+            if draft_model is None:
+                raise ValueError("speculative method 'draft' needs a draft model")
+            self.proposer = DraftProposer(draft_model, self.block_manager, config.num_kv_blocks, config.block_size)
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._stats = self._snapshot(alive=False)
 
@@ -143,14 +171,29 @@ class Engine:
                 logger.exception("engine step failed; ending all live requests")
                 self._fail_all(f"engine step failed: {exc}")
             self._stats = self._snapshot(alive=True)
+            self._log_acceptance()
+
+    def _log_acceptance(self) -> None:
+        """Every 30 s of speculation, log what fraction of proposed tokens the target accepted."""
+        now = time.monotonic()
+        if now - self._acceptance_logged[0] < 30 or self._num_draft_tokens == self._acceptance_logged[1]:
+            return
+        proposed = self._num_draft_tokens - self._acceptance_logged[1]
+        accepted = self._num_accepted_tokens - self._acceptance_logged[2]
+        logger.info(
+            "speculative decoding: %d of %d proposed tokens accepted (%.0f%%)",
+            accepted,
+            proposed,
+            100 * accepted / proposed,
+        )
+        self._acceptance_logged = (now, self._num_draft_tokens, self._num_accepted_tokens)
 
     def step(self) -> bool:
-        """Observe cancels, schedule, forward, sample, then push at most one chunk per choice.
-
-        Returns whether anything was computed.
-        """
+        """Observe cancels, propose, schedule, forward, sample or verify, then push at most one
+        chunk per choice. Returns whether anything was computed."""
         self._reap_cancelled()
-        plan = self.scheduler.schedule()
+        proposals = self._propose()
+        plan = self.scheduler.schedule({key: p.token_ids for key, p in proposals.items()})
         self._num_paused = plan.num_paused
         if plan.is_empty:
             return False
@@ -158,18 +201,77 @@ class Engine:
         if self._fault_pending:
             self._fault_pending = False
             raise _InjectedFault("injected fault")
-        samplers, logits = self._fork_choices(plan, samplers, logits)
-        output = sample(samplers, logits)
-        logprobs = {id(r): lp for r, lp in zip(samplers, output.logprobs)}
-        kept = self.scheduler.postprocess(plan, {id(r): [t] for r, t in zip(samplers, output.token_ids)})
+        samplers, row_starts = self._fork_choices(plan, samplers)
+        outputs = self._sample(plan, proposals, samplers, row_starts, logits)
+        kept = self.scheduler.postprocess(plan, {key: tokens for key, (tokens, _) in outputs.items()})
         now = time.monotonic()
         for request, token_ids in kept:
             if request.first_token_time is None:
                 request.first_token_time = now
-            token_logprob = logprobs[id(request)]
-            self._emit(request, token_ids, [token_logprob] if token_logprob else [])
+            if request.channel.cancelled:
+                # Cancelled while the step ran: none of this burst goes out.
+                self.scheduler.free(request)
+                self._end(request, RequestStatus.FINISHED_CANCELLED)
+                continue
+            self._emit(request, token_ids, outputs[id(request)][1][: len(token_ids)])
         self._num_steps += 1
         return True
+
+    def _propose(self) -> dict[int, Proposal]:
+        """Proposals for running decodes, by id(request); none above the batch-size cut-off."""
+        spec = self.config.speculative
+        if self.proposer is None or spec is None or len(self.scheduler.running) > spec.max_batch_size:
+            return {}
+        eligible = [
+            r
+            for r in self.scheduler.running
+            if r.params.speculative
+            and r.status == RequestStatus.RUNNING
+            and r.num_tokens - r.num_computed_tokens == 1
+            and r.channel.unread_tokens < self.config.max_unread_tokens
+        ]
+        # Never propose past max_tokens (the step adds one token of its own) or the context.
+        room = [
+            min(
+                spec.num_tokens, r.params.max_tokens - r.num_output_tokens - 1, self.config.max_model_len - r.num_tokens
+            )
+            for r in eligible
+        ]
+        proposals = self.proposer.propose(eligible, room) if eligible else []
+        return {id(r): p for r, p in zip(eligible, proposals) if p.token_ids}
+
+    def _sample(
+        self,
+        plan: StepPlan,
+        proposals: dict[int, Proposal],
+        samplers: list[Request],
+        row_starts: list[int],
+        logits: torch.Tensor,
+    ) -> dict[int, tuple[list[int], list[TokenLogprob]]]:
+        """Tokens (and logprobs) for every sampling request: one sampled, or verified proposals."""
+        outputs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
+        plain = [i for i, r in enumerate(samplers) if id(r) not in plan.proposals]
+        if plain:
+            requests = [samplers[i] for i in plain]
+            sampled = sample(requests, logits[[row_starts[i] for i in plain]])
+            for request, token_id, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
+                outputs[id(request)] = ([token_id], [logprob] if logprob else [])
+        verifying = [i for i, r in enumerate(samplers) if id(r) in plan.proposals]
+        if verifying:
+            requests = [samplers[i] for i in verifying]
+            trimmed = [_trim(proposals[id(r)], len(plan.proposals[id(r)])) for r in requests]
+            rows = [
+                row
+                for i, p in zip(verifying, trimmed)
+                for row in range(row_starts[i], row_starts[i] + len(p.token_ids) + 1)
+            ]
+            for request, proposal, result in zip(requests, trimmed, verify(requests, trimmed, logits[rows])):
+                request.num_draft_tokens += len(proposal.token_ids)
+                request.num_accepted_tokens += result.num_accepted
+                self._num_draft_tokens += len(proposal.token_ids)
+                self._num_accepted_tokens += result.num_accepted
+                outputs[id(request)] = (result.token_ids, result.logprobs)
+        return outputs
 
     def _new_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, channel: StreamChannel, index: int
@@ -184,18 +286,20 @@ class Engine:
             index=index,
         )
 
-    def _fork_choices(
-        self, plan: StepPlan, samplers: list[Request], logits: torch.Tensor
-    ) -> tuple[list[Request], torch.Tensor]:
+    def _fork_choices(self, plan: StepPlan, samplers: list[Request]) -> tuple[list[Request], list[int]]:
         """Fork the other n-1 choices off each request whose prompt just finished prefilling.
 
         They share its full KV blocks, get copies of its last partial one and sample
         their first token from its logits row. A choice that finds no free block
-        waits and prefills the prompt itself.
+        waits and prefills the prompt itself. Returns every sampling request with the
+        first logits row it reads.
         """
-        rows = list(range(len(samplers)))
+        row_starts, row = [], 0
+        for request in samplers:
+            row_starts.append(row)
+            row += 1 + len(plan.proposals.get(id(request), ()))
         num_new = {id(r): n for r, n in plan.scheduled}
-        for row, parent in enumerate(list(samplers)):
+        for parent, parent_row in list(zip(samplers, row_starts)):
             if not parent.num_pending_forks:
                 continue
             parent.num_pending_forks = 0
@@ -210,11 +314,9 @@ class Engine:
                     child.num_computed_tokens = parent.num_computed_tokens
                     plan.scheduled.append((child, num_new[id(parent)]))
                     samplers.append(child)
-                    rows.append(row)
+                    row_starts.append(parent_row)
                 self.scheduler.add_fork(parent, child)
-        if len(rows) == len(samplers) and len(rows) == logits.shape[0]:
-            return samplers, logits
-        return samplers, logits[rows]
+        return samplers, row_starts
 
     def _drain_inbox(self, timeout: float) -> None:
         """Take every queued item, waiting up to `timeout` seconds for the first (0: no wait)."""
@@ -237,21 +339,29 @@ class Engine:
 
     def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> None:
         """Detokenize, cut at a stop string, and push once `stream_interval` tokens are pending
-        or the request has finished."""
-        visible = token_ids
+        or the request has finished. A burst of several tokens goes out as one chunk."""
+        shown = token_ids
         if request.finish_reason == FinishReason.STOP and self.scheduler.is_stop_token(request, token_ids[-1]):
             # The stop token is counted but neither shown nor scored, like a stop string.
-            visible, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
-        text = request.detokenizer.decode(visible)
-        if request.is_finished:
-            text += request.detokenizer.flush()
-        released, matched = request.stop_matcher.feed(text)
+            shown, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
+        # With stop strings, one token at a time: a match inside a burst ends it at that token.
+        pieces = [[t] for t in shown] if request.params.stop else [shown]
+        released, matched = [], False
+        for count, piece in enumerate(pieces, start=1):
+            text, matched = request.stop_matcher.feed(request.detokenizer.decode(piece))
+            released.append(text)
+            if matched:
+                if count < len(token_ids):
+                    del request.token_ids[count - len(token_ids) :]
+                    token_ids, logprobs = token_ids[:count], logprobs[:count]
+                break
+        if request.is_finished and not matched:
+            text, matched = request.stop_matcher.feed(request.detokenizer.flush())
+            released += [text, "" if matched else request.stop_matcher.flush()]
         if matched and request.finish(RequestStatus.FINISHED_STOPPED):
             self.scheduler.free(request)
-        elif request.is_finished:
-            released += request.stop_matcher.flush()
         request.pending_token_ids += token_ids
-        request.pending_text.append(released)
+        request.pending_text += released
         request.pending_logprobs += logprobs
         if request.is_finished or len(request.pending_token_ids) >= request.params.stream_interval:
             self._push(request)
@@ -289,6 +399,8 @@ class Engine:
             decode_ms=(now - first_token) * 1000,
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
+            draft_tokens=request.num_draft_tokens,
+            accepted_tokens=request.num_accepted_tokens,
         )
 
     def _fail_all(self, message: str) -> None:
@@ -307,11 +419,27 @@ class Engine:
             kv_blocks_total=self.block_manager.num_blocks,
             num_steps=self._num_steps,
             num_preemptions=self.scheduler.num_preemptions,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=self._num_accepted_tokens,
         )
 
 
-def num_kv_blocks_for(memory_gib: float, loaded: LoadedModel, block_size: int) -> int:
-    """How many blocks of `block_size` tokens fit in `memory_gib` for this model's K/V."""
-    model = loaded.model
-    per_token = KVCache.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+def _trim(proposal: Proposal, length: int) -> Proposal:
+    """The first `length` proposed tokens (the scheduler may have had budget for fewer)."""
+    if length == len(proposal.token_ids):
+        return proposal
+    probs = proposal.draft_probs[:length] if proposal.draft_probs is not None else None
+    return Proposal(proposal.token_ids[:length], probs)
+
+
+def num_kv_blocks_for(
+    memory_gib: float, loaded: LoadedModel, block_size: int, draft_model: PagedCausalLM | None = None
+) -> int:
+    """How many blocks of `block_size` tokens fit in `memory_gib` for this model's K/V (and the
+    draft's, which has a block for each of the target's)."""
+    per_token = sum(
+        KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)
+        for m in (loaded.model, draft_model)
+        if m is not None
+    )
     return max(1, int(memory_gib * 2**30) // (per_token * block_size))

@@ -66,14 +66,24 @@ class BlockManager:
         child.block_table = shared + [destination for _, destination in copies]
         return copies
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Let go of the blocks past the first `num_tokens` tokens (rejected speculative positions)."""
+        keep = -(-num_tokens // self.block_size)
+        for block_id in request.block_table[keep:]:
+            self._release(block_id)
+        del request.block_table[keep:]
+
     def deallocate(self, request: Request) -> None:
         """Let go of every block of `request`; unshared ones return to the pool."""
         for block_id in request.block_table:
-            self._refs[block_id] -= 1
-            if not self._refs[block_id]:
-                del self._refs[block_id]
-                self._free.append(block_id)
+            self._release(block_id)
         request.block_table.clear()
+
+    def _release(self, block_id: int) -> None:
+        self._refs[block_id] -= 1
+        if not self._refs[block_id]:
+            del self._refs[block_id]
+            self._free.append(block_id)
 
     def _take(self) -> int:
         block_id = self._free.popleft()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import PreTrainedModel
 
@@ -41,6 +43,16 @@ class PagedCausalLM:
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self.dtype = hf_model.dtype
         self.device = hf_model.device
+
+    def first_layers(self, num_layers: int) -> PagedCausalLM:
+        """A self-draft: the same embeddings, final norm and head over only the first layers
+        (an early exit). Shares every weight with this model."""
+        if not 1 <= num_layers < self.num_layers:
+            raise ValueError(f"a self-draft needs 1 to {self.num_layers - 1} layers, got {num_layers}")
+        draft = copy.copy(self)
+        draft.layers = self.layers[:num_layers]
+        draft.num_layers = num_layers
+        return draft
 
     @torch.inference_mode()
     def forward(

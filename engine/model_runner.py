@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk
@@ -9,6 +12,22 @@ from engine.kv_cache import KVCache
 from engine.model import PagedCausalLM
 from engine.request import Request
 from engine.scheduler import StepPlan
+
+
+class Logits(Enum):
+    NONE = 0
+    LAST = 1
+    ALL = 2
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive tokens of one request computed in a forward, and which logits it wants."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+    logits: Logits
 
 
 class ModelRunner:
@@ -29,28 +48,47 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
-        """Run one forward; return the requests that sample this step and their logits rows."""
-        decodes = [(r, n) for r, n in plan.scheduled if n == 1]
-        chunks = [(r, n) for r, n in plan.scheduled if n > 1]
+        """Run one forward; return the requests that sample this step and their logits rows
+        (one each, or one per proposal plus one for a request verifying proposals)."""
+        segments: list[Segment] = []
+        samplers: list[Request] = []
+        for request, num_new in sorted(plan.scheduled, key=lambda entry: entry[1] > 1):
+            start = request.num_computed_tokens
+            proposed = plan.proposals.get(id(request))
+            if proposed:
+                # Verification: the target's scores after the last token and after each proposal.
+                segments.append(Segment(request, start, request.token_ids[start:] + proposed, Logits.ALL))
+                samplers.append(request)
+            elif start + num_new == request.num_tokens:
+                segments.append(Segment(request, start, request.token_ids[start : start + num_new], Logits.LAST))
+                samplers.append(request)
+            else:
+                segments.append(Segment(request, start, request.token_ids[start : start + num_new], Logits.NONE))
+        return samplers, self.run(segments)
+
+    def run(self, segments: list[Segment]) -> torch.Tensor:
+        """One forward over `segments` (single-token ones first); logits rows in segment order.
+
+        Each segment's tokens sit at positions start, start + 1, ... of its request and
+        attend to the request's cached K/V before `start`.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        samplers: list[Request] = []
         prefills: list[PrefillChunk] = []
-
-        for request, num_new in decodes + chunks:
-            start = request.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
+        decodes = [s.request for s in segments if len(s.token_ids) == 1]
+        for segment in segments:
+            start, end = segment.start, segment.start + len(segment.token_ids)
+            input_ids.extend(segment.token_ids)
             positions.extend(range(start, end))
-            slots.extend(self._slots(request, start, end))
-            if num_new > 1:
-                prefills.append(self._prefill_chunk(request, len(input_ids) - num_new, start, end))
-            if end == request.num_tokens:
+            slots.extend(self._slots(segment.request, start, end))
+            if end - start > 1:
+                prefills.append(self._prefill_chunk(segment.request, len(input_ids) - (end - start), start, end))
+            if segment.logits == Logits.ALL:
+                logits_indices.extend(range(len(input_ids) - (end - start), len(input_ids)))
+            elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
-                samplers.append(request)
-
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode_tokens=len(decodes),
@@ -59,15 +97,15 @@ class ModelRunner:
             prefills=prefills,
         )
         if decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_context([r for r, _ in decodes])
-        logits = self.model.forward(
+            starts = [s.start for s in segments if len(s.token_ids) == 1]
+            meta.decode_slots, meta.decode_mask = self._decode_context(decodes, starts)
+        return self.model.forward(
             self._tensor(input_ids),
             self._tensor(positions),
             meta,
             self.kv_cache,
             self._tensor(logits_indices),
         )
-        return samplers, logits
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks, (source, destination), in every layer."""
@@ -93,9 +131,9 @@ class ModelRunner:
         mask = torch.arange(end, device=self.device).unsqueeze(0) <= query_pos
         return PrefillChunk(batch_start, num_new, context_slots=context, mask=mask)
 
-    def _decode_context(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_context(self, requests: list[Request], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots of every decode's context, padded to the longest, and the mask of real ones."""
-        context_lens = [r.num_computed_tokens + 1 for r in requests]
+        context_lens = [start + 1 for start in starts]
         max_len = max(context_lens)
         max_blocks = -(-max_len // self.block_size)
         tables = self._tensor([(r.block_table + [0] * max_blocks)[:max_blocks] for r in requests])

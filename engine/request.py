@@ -68,6 +68,8 @@ class SamplingParams:
     n: int = 1
     # Tokens per chunk; a lagging reader gets bigger chunks regardless (see StreamChannel).
     stream_interval: int = 1
+    # Whether the engine may speculate for this request (when it speculates at all).
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +112,11 @@ class Request:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Speculative decoding: tokens proposed for and accepted by this request so far.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Tokens whose K/V the draft model holds (its cache shares this request's block table).
+    num_draft_computed: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

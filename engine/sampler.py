@@ -38,19 +38,32 @@ def sample(requests: Sequence[Request], logits: torch.Tensor) -> SamplerOutput:
     if rows:
         sampled_requests = [requests[i] for i in rows]
         probs = probabilities(processed[rows], sampled_requests)
-        # Inverse-CDF sampling: one uniform per request from its own generator keeps a seeded
-        # request's draws independent of whoever else shares the batch.
-        uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in sampled_requests]).to(probs.device)
-        cdf = probs.cumsum(dim=-1)
-        # cdf[-1] can fall a hair short of 1; scale u to it so it never lands past the last token.
-        choice = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)).squeeze(1)
-        for row, token_id in zip(rows, choice.clamp_(max=logits.shape[1] - 1).tolist()):
+        for row, token_id in zip(rows, draw(probs, [r.generator for r in sampled_requests])):
             token_ids[row] = token_id
     return SamplerOutput(token_ids, token_logprobs(requests, logits, token_ids))
 
 
-def apply_penalties(requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
-    """Presence, frequency and repetition penalties and logit bias; a copy when any applies."""
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of `probs` (not necessarily normalized) by inverse CDF.
+
+    One uniform per row from that row's own generator keeps a seeded request's draws
+    independent of whoever else shares the batch.
+    """
+    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(probs.device)
+    cdf = probs.cumsum(dim=-1)
+    # Scale u to the row's total so rounding never lands past the last token.
+    choice = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)).squeeze(1)
+    return choice.clamp_(max=probs.shape[1] - 1).tolist()
+
+
+def apply_penalties(
+    requests: Sequence[Request], logits: torch.Tensor, drafts: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
+    """Presence, frequency and repetition penalties and logit bias; a copy when any applies.
+
+    `drafts[i]`, when given, are tokens row i scores as if already generated (speculative
+    verification scores each position after the proposals before it).
+    """
     rows = [i for i, r in enumerate(requests) if r.params.penalized]
     if not rows:
         return logits
@@ -60,13 +73,14 @@ def apply_penalties(requests: Sequence[Request], logits: torch.Tensor) -> torch.
         request = requests[row]
         params = request.params
         values = logits[row]
+        draft = list(drafts[row]) if drafts else []
         if params.presence_penalty or params.frequency_penalty:
-            output = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+            output = torch.tensor(request.output_token_ids + draft, dtype=torch.long, device=device)
             counts = torch.zeros_like(values).scatter_add_(0, output, torch.ones_like(output, dtype=values.dtype))
             values -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         if params.repetition_penalty != 1.0:
             # As in CTRL and Hugging Face: over prompt and output, shrink toward less likely.
-            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=device)
+            seen = torch.tensor(sorted({*request.token_ids, *draft}), dtype=torch.long, device=device)
             scores = values[seen]
             values[seen] = torch.where(
                 scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty

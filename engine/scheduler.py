@@ -24,6 +24,9 @@ class StepPlan:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     # Running requests skipped because their reader is behind.
     num_paused: int = 0
+    # Speculative proposals by id(request), as trimmed to the step's budget; such a request
+    # computes its last token plus these in one go.
+    proposals: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -66,8 +69,11 @@ class Scheduler:
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, proposals: dict[int, list[int]] | None = None) -> StepPlan:
         """Running requests first (decodes ahead of prefill chunks), then admit waiting ones.
+
+        A decode with `proposals` (by id(request)) gets room to verify as many of them as
+        the token budget allows.
 
         A request whose reader has fallen `max_unread_tokens` behind is paused: it keeps
         its KV blocks and its seat but computes nothing until the reader catches up.
@@ -87,6 +93,13 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, plan):
                 continue
+            proposed = (proposals or {}).get(id(request), [])[: budget - num_new] if num_new == 1 else []
+            needed = self.block_manager.num_blocks_needed(request, num_new + len(proposed))
+            if proposed and not self.block_manager.can_allocate(needed):
+                proposed = []  # speculation never preempts anyone
+            if proposed:
+                plan.proposals[id(request)] = proposed
+            num_new += len(proposed)
             self.block_manager.allocate(request, num_new)
             plan.scheduled.append((request, num_new))
             budget -= num_new
@@ -131,7 +144,7 @@ class Scheduler:
         """Free the request's KV and queue it first in line to recompute."""
         self.running.remove(request)
         self.block_manager.deallocate(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_draft_computed = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -144,8 +157,13 @@ class Scheduler:
         """
         kept: list[tuple[Request, list[int]]] = []
         for request, num_new in plan.scheduled:
-            request.num_computed_tokens += num_new
             token_ids = sampled.get(id(request))
+            if token_ids is not None and id(request) in plan.proposals:
+                # K/V is valid up to the last accepted proposal; the rest is rolled back.
+                request.num_computed_tokens += len(token_ids)
+                self.block_manager.truncate(request, request.num_computed_tokens + 1)
+            else:
+                request.num_computed_tokens += num_new
             if token_ids is None:
                 continue
             for count, token_id in enumerate(token_ids, start=1):

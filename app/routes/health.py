@@ -23,6 +23,8 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "num_running": stats.num_running,
         "num_waiting": stats.num_waiting,
         "num_paused": stats.num_paused,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
     }
     return JSONResponse(body, status_code=200 if alive else 503)
 

@@ -18,8 +18,12 @@ from engine.request import Request, SamplingParams
 TINY_VOCAB = 512
 
 
-def tiny_hf_model(model_type: str = "llama", seed: int = 0):
-    """A 2-layer random model whose logits are peaked enough for greedy decoding to be stable."""
+def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False):
+    """A 2-layer random model whose logits are peaked enough for greedy decoding to be stable.
+
+    `repetitive`: tied embeddings and damped layers, so it mostly repeats its last token and
+    now and then switches; speculative proposals are then often accepted and often rejected.
+    """
     common = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -29,16 +33,23 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0):
         num_key_value_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=repetitive,
     )
     torch.manual_seed(seed)
     if model_type == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
-    return LlamaForCausalLM(LlamaConfig(**common)).eval()
+        model = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if repetitive:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(0.3)
+                layer.mlp.down_proj.weight.mul_(0.3)
+    return model
 
 
-def tiny_loaded(tokenizer, model_type: str = "llama") -> LoadedModel:
-    hf = tiny_hf_model(model_type)
+def tiny_loaded(tokenizer, model_type: str = "llama", repetitive: bool = False) -> LoadedModel:
+    hf = tiny_hf_model(model_type, repetitive=repetitive)
     return LoadedModel(
         model=PagedCausalLM(hf),
         tokenizer=tokenizer,
@@ -50,7 +61,7 @@ def tiny_loaded(tokenizer, model_type: str = "llama") -> LoadedModel:
     )
 
 
-def tiny_engine(loaded: LoadedModel, **overrides) -> Engine:
+def tiny_engine(loaded: LoadedModel, draft_model: PagedCausalLM | None = None, **overrides) -> Engine:
     config = dict(
         max_num_seqs=16,
         max_num_batched_tokens=32,
@@ -60,7 +71,7 @@ def tiny_engine(loaded: LoadedModel, **overrides) -> Engine:
         max_unread_tokens=1 << 20,
     )
     config.update(overrides)
-    return Engine(loaded, EngineConfig(**config))
+    return Engine(loaded, EngineConfig(**config), draft_model)
 
 
 def make_request(prompt_len: int, max_tokens: int = 8, params: SamplingParams | None = None) -> Request:

@@ -1,0 +1,63 @@
+"""Speculative decoding on the default model: greedy output identical to decoding without it."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from bench.speculative import EXTRACTIVE
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["a dragon", "the sea", "bread", "a robot", "winter", "a city", "music", "trains", "a garden", "the moon"]
+PROMPTS = [
+    *EXTRACTIVE,
+    *[f"Write two sentences about {topic}." for topic in TOPICS],
+    *[f"List five facts about {topic}, one per line." for topic in TOPICS[:8]],
+]
+
+
+PROPOSERS = {
+    "ngram": ["--speculative", "ngram"],
+    "self-draft": ["--speculative", "draft", "--draft-model", "self:20", "--num-speculative-tokens", "2"],
+}
+# float32 decoding is batch-invariant, so the reference is the same on every server.
+_reference: list[str] = []
+
+
+@pytest.fixture(scope="module", params=list(PROPOSERS))
+def speculative_server(request):
+    from tests.e2e.conftest import _serve
+
+    yield from _serve("--dtype", "float32", "--speculative-max-batch-size", "8", *PROPOSERS[request.param])
+
+
+async def complete(client, base, prompt, speculative):
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "speculative": speculative,
+    }
+    response = await client.post(f"{base}/v1/chat/completions", json=body)
+    return response.json()
+
+
+async def test_greedy_output_is_identical_with_and_without_speculation(speculative_server):
+    assert len(PROMPTS) >= 20
+    async with httpx.AsyncClient(timeout=300) as client:
+        if not _reference:
+            for prompt in PROMPTS:
+                _reference.append(
+                    (await complete(client, speculative_server, prompt, False))["choices"][0]["message"]["content"]
+                )
+        expected = _reference
+        alone = [await complete(client, speculative_server, p, True) for p in PROMPTS]
+        assert [r["choices"][0]["message"]["content"] for r in alone] == expected
+        assert sum(r["timings"]["draft_n_accepted"] for r in alone) > 20
+        for start in range(0, len(PROMPTS), 8):
+            batch = PROMPTS[start : start + 8]
+            together = await asyncio.gather(*[complete(client, speculative_server, p, True) for p in batch])
+            assert [r["choices"][0]["message"]["content"] for r in together] == expected[start : start + 8]
+    health = httpx.get(f"{speculative_server}/health").json()
+    assert health["kv_blocks_used"] == 0 and health["num_accepted_tokens"] > 0

@@ -1,0 +1,58 @@
+import asyncio
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from app.settings import Settings
+from app.state import build_state
+from engine.request import SamplingParams
+from tests.unit.helpers import collect, tiny_hf_model, tokens_of
+
+
+@pytest.fixture
+def folder(tmp_path, default_tokenizer):
+    path = tmp_path / "tiny"
+    tiny_hf_model("llama", repetitive=True).save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
+    return path
+
+
+def settings(folder, tmp_path, **extra) -> Settings:
+    return Settings(model=str(folder), cache_dir=tmp_path / "cache", dtype="float32", kv_cache_gib=0.01, **extra)
+
+
+async def test_a_draft_folder_serves_with_output_unchanged(folder, tmp_path):
+    plain = build_state(settings(folder, tmp_path))
+    drafted = build_state(settings(folder, tmp_path, speculative="draft", draft_model=str(folder)))
+    for state in (plain, drafted):
+        state.engine.start()
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0)
+        want, got = await asyncio.gather(
+            collect(plain.engine, [378] * 6, params), collect(drafted.engine, [378] * 6, params)
+        )
+        assert tokens_of(got) == tokens_of(want)
+        # The draft is the model itself: every proposal is accepted.
+        assert got[-1].timings.accepted_tokens == got[-1].timings.draft_tokens > 0
+    finally:
+        plain.engine.shutdown()
+        drafted.engine.shutdown()
+
+
+def test_self_draft_takes_the_first_layers(folder, tmp_path):
+    state = build_state(settings(folder, tmp_path, speculative="draft", draft_model="self:1"))
+    assert state.engine.proposer.runner.model.num_layers == 1
+    with pytest.raises(ValueError, match="self-draft"):
+        build_state(settings(folder, tmp_path, speculative="draft", draft_model="self:2"))
+    with pytest.raises(ValueError, match="--draft-model"):
+        build_state(settings(folder, tmp_path, speculative="draft"))
+
+
+def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path, default_tokenizer):
+    other = tmp_path / "other"
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(other)
+    default_tokenizer.save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer"):
+        build_state(settings(folder, tmp_path, speculative="draft", draft_model=str(other)))
