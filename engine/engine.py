@@ -354,11 +354,16 @@ class Engine:
                 if count < len(token_ids):
                     del request.token_ids[count - len(token_ids) :]
                     token_ids, logprobs = token_ids[:count], logprobs[:count]
+                    if request.is_finished:
+                        # A later token of this burst finished it, but the stop string came first;
+                        # nothing of this step has gone out yet, so the reason is still ours to set.
+                        request.status = RequestStatus.FINISHED_STOPPED
                 break
         if request.is_finished and not matched:
             text, matched = request.stop_matcher.feed(request.detokenizer.flush())
             released += [text, "" if matched else request.stop_matcher.flush()]
-        if matched and request.finish(RequestStatus.FINISHED_STOPPED):
+        if matched:
+            request.finish(RequestStatus.FINISHED_STOPPED)
             self.scheduler.free(request)
         request.pending_token_ids += token_ids
         request.pending_text += released

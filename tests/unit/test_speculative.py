@@ -173,6 +173,11 @@ async def test_max_tokens_stop_string_and_eos_inside_a_burst(loaded, engines):
             want, got = await collect(plain, prompt, params), await collect(speculative, prompt, params)
             assert (text_of(got), tokens_of(got)) == (text_of(want), tokens_of(want))
             assert got[-1].finish_reason == FinishReason.STOP
+            # A stop string and max_tokens inside one burst: the stop string came first.
+            for n in range(len(tokens_of(want)), len(tokens_of(want)) + 4):
+                params = greedy(n, stop=(stop,))
+                want, got = await collect(plain, prompt, params), await collect(speculative, prompt, params)
+                assert (tokens_of(got), got[-1].finish_reason) == (tokens_of(want), want[-1].finish_reason)
     # eos inside a burst: make eos a token that came out second in a burst of three or more.
     for prompt in prompts(12, seed=3):
         chunks = await collect(speculative, prompt, greedy(40))
