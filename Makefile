@@ -22,5 +22,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
+# The serving sweep (bench/serve.py) against a Sluice it starts; ARGS adds servers, levels, flags.
 bench: $(STAMP)
-	$(PY) bench/throughput.py $(ARGS)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/serve.py --spawn sluice= $(ARGS)

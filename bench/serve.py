@@ -1,0 +1,250 @@
+"""Serving benchmark for any OpenAI-compatible server: throughput, TTFT, inter-token latency, faults.
+
+    python bench/serve.py --server sluice=http://127.0.0.1:8000
+    python bench/serve.py --spawn sluice="" --spawn sluice-fp32="--dtype float32" --concurrency 1 8 32
+
+At each concurrency level, that many workers stream chat completions back to back
+over a fixed prompt set (`--requests-per-worker` each). Output tokens are counted by
+re-tokenizing the received text with one local tokenizer, so every server is counted
+alike. Per level it reports output tokens/s, requests/s, TTFT p50/p95, inter-token
+latency p50/p95 (gaps between content chunks, per token), end-to-end p50, and protocol
+faults (HTTP errors, bad JSON, a missing or repeated finish_reason, a missing [DONE]).
+Writes `<out>.json` and, with matplotlib installed (`pip install -e .[bench]`), `<out>.png`:
+throughput and TTFT against concurrency, one line per server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "Write a story about a lighthouse keeper.",
+    "Explain how a steam engine works.",
+    "Describe a journey across a desert.",
+    "Give me a recipe for bread.",
+    "What makes a good friend?",
+    "Tell me about the history of the bicycle.",
+    "Write a poem about the sea.",
+    "How do airplanes stay in the air?",
+]
+
+
+@dataclass
+class Sample:
+    """One request as the client saw it."""
+
+    ttft: float | None = None
+    latency: float = 0.0
+    # (seconds since the previous content chunk, that chunk's text), after the first chunk.
+    gaps: list[tuple[float, str]] = field(default_factory=list)
+    text: str = ""
+    fault: str | None = None
+
+
+async def one_request(client: httpx.AsyncClient, base: str, model: str | None, prompt: str, max_tokens: int) -> Sample:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "stream": True,
+    }
+    if model:
+        body["model"] = model
+    sample = Sample()
+    start = last = time.perf_counter()
+    finishes, done = 0, False
+    try:
+        async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                sample.fault = f"HTTP {response.status_code}"
+                return sample
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    continue
+                try:
+                    payload = json.loads(data)
+                except json.JSONDecodeError:
+                    sample.fault = "bad JSON"
+                    continue
+                if "error" in payload:
+                    sample.fault = f"error event: {payload['error'].get('message')}"
+                for choice in payload.get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        now = time.perf_counter()
+                        if sample.ttft is None:
+                            sample.ttft = now - start
+                        else:
+                            sample.gaps.append((now - last, content))
+                        last = now
+                        sample.text += content
+                    finishes += choice.get("finish_reason") is not None
+    except httpx.HTTPError as exc:
+        sample.fault = f"{type(exc).__name__}: {exc}"
+    sample.latency = time.perf_counter() - start
+    if sample.fault is None and (finishes != 1 or not done):
+        sample.fault = f"{finishes} finish_reason chunks, [DONE] {'seen' if done else 'missing'}"
+    return sample
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rounded(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+async def level(base: str, model: str | None, concurrency: int, args: argparse.Namespace, count_tokens) -> dict:
+    async def worker(index: int) -> list[Sample]:
+        samples = []
+        for turn in range(args.requests_per_worker):
+            prompt = PROMPTS[(index + turn) % len(PROMPTS)]
+            samples.append(await one_request(client, base, model, prompt, args.max_tokens))
+        return samples
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        start = time.perf_counter()
+        samples = [s for batch in await asyncio.gather(*[worker(i) for i in range(concurrency)]) for s in batch]
+        elapsed = time.perf_counter() - start
+    tokens = [count_tokens(s.text) for s in samples]
+    # A chunk can carry several tokens (speculative bursts, stream_interval): spread its gap over them.
+    itl = [gap / max(1, count_tokens(text)) for s in samples for gap, text in s.gaps]
+    ttfts = [s.ttft for s in samples if s.ttft is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "output_tokens": sum(tokens),
+        "output_tokens_per_s": round(sum(tokens) / elapsed, 2),
+        "requests_per_s": round(len(samples) / elapsed, 3),
+        "ttft_p50_s": rounded(percentile(ttfts, 0.5)),
+        "ttft_p95_s": rounded(percentile(ttfts, 0.95)),
+        "itl_p50_s": rounded(percentile(itl, 0.5), 4),
+        "itl_p95_s": rounded(percentile(itl, 0.95), 4),
+        "e2e_p50_s": rounded(percentile([s.latency for s in samples], 0.5)),
+        "faults": sorted({s.fault for s in samples if s.fault}),
+        "num_faults": sum(1 for s in samples if s.fault),
+    }
+
+
+def load_tokenizer(path: str | None):
+    from transformers import AutoTokenizer
+
+    if path is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from engine.loader import convert_gguf, default_model_gguf
+
+        cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+        path = str(convert_gguf(default_model_gguf(), cache))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+def spawn(flags: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
+    proc = subprocess.Popen(command, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"sluice {flags!r} did not start")
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, levels in results.items():
+        x = [r["concurrency"] for r in levels]
+        throughput.plot(x, [r["output_tokens_per_s"] for r in levels], marker="o", label=name)
+        ttft.plot(x, [r["ttft_p50_s"] for r in levels], marker="o", label=name)
+    for axis, title, unit in ((throughput, "Output throughput", "tokens/s"), (ttft, "Time to first token (p50)", "s")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent streams")
+        axis.set_ylabel(unit)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", action="append", default=[], help="NAME=BASE_URL of a running server")
+    parser.add_argument("--spawn", action="append", default=[], help='NAME="sluice flags": start Sluice for the run')
+    parser.add_argument("--model", help="the `model` field to send (peers may need it)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--requests-per-worker", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--tokenizer", help="tokenizer folder for counting (default: the default model's)")
+    parser.add_argument("--out", default="bench/results/serve", help="output path without extension")
+    args = parser.parse_args()
+    if not args.server and not args.spawn:
+        args.server = ["sluice=http://127.0.0.1:8000"]
+    count_tokens = load_tokenizer(args.tokenizer)
+
+    results: dict[str, list[dict]] = {}
+    targets = [(spec.split("=", 1)[0], spec.split("=", 1)[1], False) for spec in args.server]
+    targets += [(spec.split("=", 1)[0], spec.split("=", 1)[1] if "=" in spec else "", True) for spec in args.spawn]
+    for name, where, spawned in targets:
+        proc, base = spawn(where) if spawned else (None, where)
+        try:
+            results[name] = []
+            for concurrency in args.concurrency:
+                report = asyncio.run(level(base, args.model, concurrency, args, count_tokens))
+                results[name].append(report)
+                print(name, json.dumps(report), flush=True)
+        finally:
+            if proc:
+                proc.terminate()
+                proc.wait()
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out.with_suffix('.json')}")
+    if plot(results, out.with_suffix(".png")):
+        print(f"wrote {out.with_suffix('.png')}")
+    else:
+        print("matplotlib is not installed: no plot (pip install -e .[bench])")
+
+
+if __name__ == "__main__":
+    main()
