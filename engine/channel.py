@@ -97,10 +97,6 @@ class StreamChannel:
             pass
 
     @property
-    def closed(self) -> bool:
-        return not self._open_choices
-
-    @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 

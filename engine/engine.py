@@ -11,13 +11,14 @@ from typing import Literal
 
 import torch
 
-from engine.channel import Chunk, StreamChannel, Timings
+from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import PagedCausalLM
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.output import OutputProcessor
+from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import TokenLogprob, sample
 from engine.scheduler import Scheduler, StepPlan
 from engine.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
@@ -87,6 +88,7 @@ class Engine:
             eos_token_ids=loaded.eos_token_ids,
             max_unread_tokens=config.max_unread_tokens,
         )
+        self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -127,7 +129,7 @@ class Engine:
             if not self._stopping:
                 self._inbox.put(request)
                 return
-        self._end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
+        self.output.end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
 
     def inject_fault(self) -> None:
         """Make the next step raise (for tests of the fault path)."""
@@ -211,9 +213,9 @@ class Engine:
             if request.channel.cancelled:
                 # Cancelled while the step ran: none of this burst goes out.
                 self.scheduler.free(request)
-                self._end(request, RequestStatus.FINISHED_CANCELLED)
+                self.output.end(request, RequestStatus.FINISHED_CANCELLED)
                 continue
-            self._emit(request, token_ids, outputs[id(request)][1][: len(token_ids)])
+            self.output.emit(request, token_ids, outputs[id(request)][1][: len(token_ids)])
         self._num_steps += 1
         return True
 
@@ -335,84 +337,13 @@ class Engine:
         for request in self.scheduler.requests():
             if request.channel.cancelled:
                 self.scheduler.free(request)
-                self._end(request, RequestStatus.FINISHED_CANCELLED)
-
-    def _emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> None:
-        """Detokenize, cut at a stop string, and push once `stream_interval` tokens are pending
-        or the request has finished. A burst of several tokens goes out as one chunk."""
-        shown = token_ids
-        if request.finish_reason == FinishReason.STOP and self.scheduler.is_stop_token(request, token_ids[-1]):
-            # The stop token is counted but neither shown nor scored, like a stop string.
-            shown, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
-        # With stop strings, one token at a time: a match inside a burst ends it at that token.
-        pieces = [[t] for t in shown] if request.params.stop else [shown]
-        released, matched = [], False
-        for count, piece in enumerate(pieces, start=1):
-            text, matched = request.stop_matcher.feed(request.detokenizer.decode(piece))
-            released.append(text)
-            if matched:
-                if count < len(token_ids):
-                    del request.token_ids[count - len(token_ids) :]
-                    token_ids, logprobs = token_ids[:count], logprobs[:count]
-                    if request.is_finished:
-                        # A later token of this burst finished it, but the stop string came first;
-                        # nothing of this step has gone out yet, so the reason is still ours to set.
-                        request.status = RequestStatus.FINISHED_STOPPED
-                break
-        if request.is_finished and not matched:
-            text, matched = request.stop_matcher.feed(request.detokenizer.flush())
-            released += [text, "" if matched else request.stop_matcher.flush()]
-        if matched:
-            request.finish(RequestStatus.FINISHED_STOPPED)
-            self.scheduler.free(request)
-        request.pending_token_ids += token_ids
-        request.pending_text += released
-        request.pending_logprobs += logprobs
-        if request.is_finished or len(request.pending_token_ids) >= request.params.stream_interval:
-            self._push(request)
-
-    def _end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """Latch `status` and send the terminal chunk with whatever output was held back."""
-        request.finish(status, error)
-        request.pending_text += [request.detokenizer.flush(), request.stop_matcher.flush()]
-        self._push(request)
-
-    def _push(self, request: Request) -> None:
-        """Send what is pending as one chunk; the terminal one carries the timings."""
-        request.channel.push(
-            Chunk(
-                token_ids=tuple(request.pending_token_ids),
-                text="".join(request.pending_text),
-                index=request.index,
-                logprobs=tuple(request.pending_logprobs),
-                finish_reason=request.finish_reason,
-                error=request.error,
-                timings=self._timings(request) if request.is_finished else None,
-            )
-        )
-        request.pending_token_ids, request.pending_text, request.pending_logprobs = [], [], []
-
-    @staticmethod
-    def _timings(request: Request) -> Timings:
-        now = time.monotonic()
-        scheduled = request.first_scheduled_time or now
-        first_token = request.first_token_time or now
-        return Timings(
-            queue_ms=(scheduled - request.arrival_time) * 1000,
-            prompt_ms=(first_token - scheduled) * 1000,
-            ttft_ms=(first_token - request.arrival_time) * 1000,
-            decode_ms=(now - first_token) * 1000,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-            draft_tokens=request.num_draft_tokens,
-            accepted_tokens=request.num_accepted_tokens,
-        )
+                self.output.end(request, RequestStatus.FINISHED_CANCELLED)
 
     def _fail_all(self, message: str) -> None:
         """End every request the scheduler holds with an error and free its KV blocks."""
         for request in self.scheduler.requests():
             self.scheduler.free(request)
-            self._end(request, RequestStatus.FINISHED_ERROR, message)
+            self.output.end(request, RequestStatus.FINISHED_ERROR, message)
 
     def _snapshot(self, alive: bool) -> EngineStats:
         return EngineStats(
