@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -11,16 +12,33 @@ from fastapi import FastAPI
 from app.errors import install_error_handlers
 from app.routes import chat, completions, health, models, streams
 from app.settings import Settings
-from app.state import build_state
+from app.state import ServerState, build_state
 
 logger = logging.getLogger(__name__)
+
+
+async def _start_engine_thread(settings: Settings) -> ServerState:
+    """Build the state on a new thread, then run the engine loop on that same thread: every
+    torch op of the process (loading included) then runs on one thread and one OpenMP pool."""
+    loop = asyncio.get_running_loop()
+    built: asyncio.Future[ServerState] = loop.create_future()
+
+    def engine_thread() -> None:
+        try:
+            state = build_state(settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, which fails start-up with it
+            loop.call_soon_threadsafe(built.set_exception, exc)
+            return
+        state.engine.run(on_running=lambda: loop.call_soon_threadsafe(built.set_result, state))
+
+    threading.Thread(target=engine_thread, name="sluice-engine", daemon=True).start()
+    return await built
 
 
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state = await asyncio.to_thread(build_state, settings)
-        state.engine.start()
+        state = await _start_engine_thread(settings)
         app.state.sluice = state
         logger.info("serving %s on http://%s:%d", state.model_name, settings.host, settings.port)
         try:
