@@ -128,7 +128,7 @@ class Request:
                 self.generator.seed()
             else:
                 # Each choice of a seeded request gets its own reproducible stream.
-                self.generator.manual_seed(self.params.seed + self.index)
+                self.generator.manual_seed((self.params.seed + self.index) % 2**64)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -228,3 +228,10 @@ async def test_a_reader_that_stops_reading_pauses_its_request_only(loaded):
         assert tokens_of(chunks) == expected
     finally:
         engine.shutdown()
+
+
+async def test_extreme_seeds_with_n_choices_do_not_break_the_step(engine):
+    for seed in (2**64 - 1, -(2**63)):
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=seed, n=2)
+        choices = by_choice(await collect(engine, [1, 2, 3], params))
+        assert [c[-1].finish_reason for c in choices.values()] == [FinishReason.LENGTH] * 2
