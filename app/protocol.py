@@ -201,10 +201,16 @@ class CompletionRequest(_SamplingRequest):
         return prompt
 
 
+class PromptTokensDetails(BaseModel):
+    # Prompt tokens whose K/V came from the prefix cache.
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatDelta(BaseModel):
@@ -250,6 +256,8 @@ class Timings(BaseModel):
     predicted_per_second: float
     draft_n: int
     draft_n_accepted: int
+    # Prompt tokens served from the prefix cache (llama.cpp's name).
+    cache_n: int
 
 
 def _absent(value: object) -> bool:

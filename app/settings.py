@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     """Tokens per KV-cache block."""
     kv_cache_gib: float = Field(2.0, gt=0)
     """Memory for the paged KV cache, in GiB."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes seen before (system prompts, resent conversation history);
+    --no-enable-prefix-caching turns it off."""
     speculative: Literal["off", "ngram", "draft"] = "off"
     """Speculative decoding: `ngram` proposes continuations found in the request's own prompt and output;
     `draft` decodes ahead with --draft-model."""

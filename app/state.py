@@ -83,6 +83,7 @@ def build_state(settings: Settings) -> ServerState:
         block_size=settings.block_size,
         num_kv_blocks=num_blocks,
         max_unread_tokens=settings.max_unread_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
         speculative=_speculative_config(settings),
     )
     logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)

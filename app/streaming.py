@@ -30,6 +30,7 @@ from app.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptTokensDetails,
     Timings,
     TopLogprob,
     Usage,
@@ -99,7 +100,7 @@ class Generation:
     async def events(self) -> AsyncIterator[str]:
         """Every SSE data payload of the stream, ending in [DONE] on every path; leaving early
         cancels the request in the engine."""
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         text_offsets = [0] * self.num_choices
         try:
             if self.kind == "chat":
@@ -113,10 +114,11 @@ class Generation:
                 if chunk.text or chunk.logprobs:
                     yield self._delta(chunk, text_offsets)
                 if chunk.is_terminal:
+                    cached_tokens = max(cached_tokens, chunk.timings.cached_tokens if chunk.timings else 0)
                     yield self._finish(chunk)
             else:
                 if self.include_usage:
-                    yield self._usage_chunk(completion_tokens)
+                    yield self._usage_chunk(completion_tokens, cached_tokens)
             yield DONE
         finally:
             self.channel.cancel()
@@ -138,9 +140,9 @@ class Generation:
         finally:
             self.channel.cancel()
         ids = {"id": self.completion_id, "created": self.created, "model": self.model}
-        usage = self._usage(completion_tokens)
         # The last choice to finish has seen the whole request through.
         last = max((c.timings for c in choices if c.timings), key=lambda t: t.ttft_ms + t.decode_ms, default=None)
+        usage = self._usage(completion_tokens, max((c.timings.cached_tokens for c in choices if c.timings), default=0))
         timings = _timings(last)
         if self.kind == "chat":
             chat_choices = [
@@ -196,18 +198,19 @@ class Generation:
             id=self.completion_id, created=self.created, model=self.model, choices=[choice], timings=timings
         ).model_dump_json()
 
-    def _usage_chunk(self, completion_tokens: int) -> str:
+    def _usage_chunk(self, completion_tokens: int, cached_tokens: int) -> str:
         ids = {"id": self.completion_id, "created": self.created, "model": self.model}
-        usage = self._usage(completion_tokens)
+        usage = self._usage(completion_tokens, cached_tokens)
         if self.kind == "chat":
             return ChatCompletionChunk(**ids, choices=[], usage=usage).model_dump_json()
         return Completion(**ids, choices=[], usage=usage).model_dump_json()
 
-    def _usage(self, completion_tokens: int) -> Usage:
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> Usage:
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=self.num_prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
     # Logprobs in OpenAI's two shapes.
@@ -259,6 +262,7 @@ def _timings(timings: engine_channel.Timings | None) -> Timings | None:
         predicted_per_second=round(timings.decode_tokens_per_second, 3),
         draft_n=timings.draft_tokens,
         draft_n_accepted=timings.accepted_tokens,
+        cache_n=timings.cached_tokens,
     )
 
 

@@ -23,6 +23,8 @@ class Timings:
     completion_tokens: int
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # Prompt tokens whose K/V came from the prefix cache.
+    cached_tokens: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float:

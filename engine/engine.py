@@ -47,6 +47,7 @@ class EngineConfig:
     num_kv_blocks: int
     # A request whose reader is this many tokens behind is paused until it catches up.
     max_unread_tokens: int = 256
+    enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
 
 
@@ -64,6 +65,10 @@ class EngineStats:
     num_preemptions: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    kv_blocks_cached: int
+    # Prompt tokens looked up in the prefix cache, and how many it held.
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
 
 
 class _InjectedFault(RuntimeError):
@@ -80,7 +85,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, draft_model: PagedCausalLM | None = None) -> None:
         self.config = config
         self.token_bytes = loaded.token_bytes
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -373,6 +378,9 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             num_draft_tokens=self._num_draft_tokens,
             num_accepted_tokens=self._num_accepted_tokens,
+            kv_blocks_cached=self.block_manager.num_cached,
+            num_prefix_query_tokens=self.block_manager.num_prefix_queries,
+            num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
         )
 
 

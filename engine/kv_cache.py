@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -14,17 +14,31 @@ from engine.request import Request
 class BlockManager:
     """Hands out fixed-size KV blocks; `num_free + num_used == num_blocks` at all times.
 
-    A block can be listed by several block tables (choices forked off one prompt); it
-    returns to the pool when the last of them lets go.
+    A block can be listed by several block tables (choices forked off one prompt, prompts
+    that share a prefix); it returns to the pool when the last of them lets go.
+
+    Prefix caching: a full block whose K/V are computed is registered under a hash of
+    its tokens and of every token before them. A request that starts (or restarts after
+    preemption) with the same tokens adopts those blocks instead of recomputing them.
+    Registered blocks stay registered after their last user lets go: they sit in the free
+    pool, in release order, and lose their registration only when handed out again, so
+    the least recently released go first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        # An ordered set: hand out from the front, release to the back, adopt from anywhere.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs: dict[int, int] = {}
+        self._cached: dict[int, int] = {}  # prefix hash -> block id
+        self._hash_of: dict[int, int] = {}  # block id -> prefix hash
+        # Prompt tokens looked up in the cache at admission, and how many were found.
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -33,6 +47,67 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks, in use or not."""
+        return len(self._cached)
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The registered blocks that hold the longest prefix of `request`'s tokens. The last
+        token is never taken from the cache: its logits are what the next step samples from."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for prefix_hash in self._hashes(request, (request.num_tokens - 1) // self.block_size):
+            block_id = self._cached.get(prefix_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def num_free_among(self, block_ids: list[int]) -> int:
+        return sum(1 for block_id in block_ids if block_id in self._free)
+
+    def adopt_prefix(self, request: Request, block_ids: list[int]) -> None:
+        """Start `request` (holding no blocks) on the cached blocks of its prefix."""
+        for block_id in block_ids:
+            if block_id in self._free:
+                del self._free[block_id]
+                self._refs[block_id] = 1
+            else:
+                self._refs[block_id] += 1
+        request.block_table = list(block_ids)
+        request.num_registered_blocks = len(block_ids)
+        request.num_computed_tokens = len(block_ids) * self.block_size
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed_tokens
+            self.num_prefix_queries += request.num_tokens
+            self.num_prefix_hits += request.num_computed_tokens
+
+    def register(self, request: Request) -> None:
+        """Register the request's blocks that have become full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = request.num_registered_blocks
+        for block_id, prefix_hash in zip(request.block_table[start:num_full], self._hashes(request, num_full)[start:]):
+            # A block another request computed with the same tokens stays the one found.
+            if prefix_hash not in self._cached:
+                self._cached[prefix_hash] = block_id
+                self._hash_of[block_id] = prefix_hash
+        request.num_registered_blocks = max(start, num_full)
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Hashes of the first `num_blocks` full blocks of the request's tokens, each chained to
+        the one before it, so equal hashes mean equal prefixes. Tokens only ever append, so the
+        request keeps what was computed. Python's tuple hash is 64 bits: a collision between
+        two different prefixes is astronomically unlikely at the cache sizes used here."""
+        hashes, size = request.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            start = len(hashes) * size
+            hashes.append(hash((hashes[-1] if hashes else None, *request.token_ids[start : start + size])))
+        return hashes[:num_blocks]
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks `request` lacks to hold its computed tokens plus `num_new_tokens` more."""
@@ -64,6 +139,7 @@ class BlockManager:
             self._refs[block_id] += 1
         copies = [(source, self._take()) for source in partial]
         child.block_table = shared + [destination for _, destination in copies]
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
         return copies
 
     def truncate(self, request: Request, num_tokens: int) -> None:
@@ -78,15 +154,19 @@ class BlockManager:
         for block_id in request.block_table:
             self._release(block_id)
         request.block_table.clear()
+        request.num_registered_blocks = 0
 
     def _release(self, block_id: int) -> None:
         self._refs[block_id] -= 1
         if not self._refs[block_id]:
             del self._refs[block_id]
-            self._free.append(block_id)
+            self._free[block_id] = None
 
     def _take(self) -> int:
-        block_id = self._free.popleft()
+        block_id, _ = self._free.popitem(last=False)
+        prefix_hash = self._hash_of.pop(block_id, None)
+        if prefix_hash is not None:
+            del self._cached[prefix_hash]
         self._refs[block_id] = 1
         return block_id
 
@@ -94,8 +174,8 @@ class BlockManager:
         """Raise if a block is lost or free twice, or if the block tables of `requests` (every
         live request) do not account for exactly the used blocks and their share counts."""
         free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is free twice")
+        if any(self._cached[h] != b for b, h in self._hash_of.items()) or len(self._cached) != len(self._hash_of):
+            raise AssertionError("the prefix cache's two maps disagree")
         if free & self._refs.keys():
             raise AssertionError("a block is both free and used")
         if len(free) + len(self._refs) != self.num_blocks:

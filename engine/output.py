@@ -90,4 +90,5 @@ class OutputProcessor:
             completion_tokens=request.num_output_tokens,
             draft_tokens=request.num_draft_tokens,
             accepted_tokens=request.num_accepted_tokens,
+            cached_tokens=request.num_cached_tokens or 0,
         )

@@ -102,6 +102,11 @@ class Request:
     # Tokens whose K/V are in the cache; prefill, chunked prefill and decode all advance it.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching: hashes of the full blocks of token_ids so far, how many of the request's
+    # blocks are registered in the cache, and how many prompt tokens the cache held at admission.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     # An error message, set only with FINISHED_ERROR.
     error: str | None = None

@@ -110,10 +110,17 @@ class Scheduler:
             and self._num_seats() + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs
         ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):
+            # New or preempted, it holds no blocks: start it on whatever the prefix cache has.
+            cached = self.block_manager.cached_prefix(request)
+            size = self.block_manager.block_size
+            num_cached_tokens = len(cached) * size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            # Fresh blocks for the new tokens, plus the cached ones that adopting takes off the free pool.
+            needed = -(-(num_cached_tokens + num_new) // size) - len(cached) + self.block_manager.num_free_among(cached)
+            if not self.block_manager.can_allocate(needed):
                 break
             self.waiting.popleft()
+            self.block_manager.adopt_prefix(request, cached)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -164,6 +171,7 @@ class Scheduler:
                 self.block_manager.truncate(request, request.num_computed_tokens + 1)
             else:
                 request.num_computed_tokens += num_new
+            self.block_manager.register(request)
             if token_ids is None:
                 continue
             for count, token_id in enumerate(token_ids, start=1):

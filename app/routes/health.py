@@ -25,6 +25,10 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "num_paused": stats.num_paused,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
+        "kv_blocks_cached": stats.kv_blocks_cached,
+        "prefix_cache_query_tokens": stats.num_prefix_query_tokens,
+        "prefix_cache_hit_tokens": stats.num_prefix_hit_tokens,
+        "prefix_cache_hit_rate": round(stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens), 4),
     }
     return JSONResponse(body, status_code=200 if alive else 503)
 

@@ -114,6 +114,21 @@ def test_usage_counts_match_the_tokenizer(client, model_name, default_tokenizer)
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_resent_conversation_is_served_from_the_prefix_cache(server, client, model_name):
+    first = chat(client, model_name, max_tokens=16)
+    history = [*STORY, {"role": "assistant", "content": first.choices[0].message.content}]
+    before = httpx.get(f"{server}/health").json()
+    follow_up = chat(client, model_name, [*history, {"role": "user", "content": "Give it a title."}], max_tokens=8)
+    after = httpx.get(f"{server}/health").json()
+    cached = follow_up.usage.prompt_tokens_details.cached_tokens
+    # At least the full 16-token blocks of the first prompt (system prompt and story request).
+    assert first.usage.prompt_tokens // 16 * 16 <= cached < follow_up.usage.prompt_tokens
+    assert cached % 16 == 0 and follow_up.timings["cache_n"] == cached
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == cached
+    assert after["prefix_cache_query_tokens"] - before["prefix_cache_query_tokens"] == follow_up.usage.prompt_tokens
+    assert 0 < after["prefix_cache_hit_rate"] <= 1
+
+
 def test_penalties_change_a_repetitive_output(client, model_name):
     plain = chat(client, model_name, LIST, max_tokens=40).choices[0].message.content
     for params in (

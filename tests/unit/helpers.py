@@ -74,12 +74,15 @@ def tiny_engine(loaded: LoadedModel, draft_model: PagedCausalLM | None = None, *
     return Engine(loaded, EngineConfig(**config), draft_model)
 
 
-def make_request(prompt_len: int, max_tokens: int = 8, params: SamplingParams | None = None) -> Request:
-    """A request for scheduler tests: no model, no loop is ever touched."""
+def make_request(
+    prompt_len: int, max_tokens: int = 8, params: SamplingParams | None = None, first_token: int = 1
+) -> Request:
+    """A request for scheduler tests: no model, no loop is ever touched. Its prompt counts up
+    from `first_token`, so requests of one `first_token` share their prefixes."""
     params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return Request(
         request_id="r",
-        prompt_token_ids=list(range(1, prompt_len + 1)),
+        prompt_token_ids=list(range(first_token, first_token + prompt_len)),
         params=params,
         channel=StreamChannel(asyncio.new_event_loop(), num_choices=params.n),
         detokenizer=IncrementalDetokenizer(TokenBytes([b""] * TINY_VOCAB)),

@@ -235,3 +235,31 @@ async def test_extreme_seeds_with_n_choices_do_not_break_the_step(engine):
         params = SamplingParams(max_tokens=3, temperature=1.0, seed=seed, n=2)
         choices = by_choice(await collect(engine, [1, 2, 3], params))
         assert [c[-1].finish_reason for c in choices.values()] == [FinishReason.LENGTH] * 2
+
+
+async def test_prefix_cache_hits_leave_outputs_exact(loaded):
+    rng = random.Random(3)
+    system = [rng.randrange(1, 500) for _ in range(21)]
+    prompts = [system + [rng.randrange(1, 500) for _ in range(rng.randint(1, 12))] for _ in range(10)]
+    plain = tiny_engine(loaded, enable_prefix_caching=False)
+    plain.start()
+    try:
+        expected = [tokens_of(await collect(plain, p, greedy(12))) for p in prompts]
+        assert plain.stats.num_prefix_hit_tokens == 0
+    finally:
+        plain.shutdown()
+    for overrides in ({}, {"num_kv_blocks": 40}):  # roomy, then tight enough to preempt and evict
+        cached = tiny_engine(loaded, **overrides)
+        cached.start()
+        try:
+            alone = [await collect(cached, p, greedy(12)) for p in prompts]
+            together = await asyncio.gather(*[collect(cached, p, greedy(12)) for p in prompts])
+            assert [tokens_of(c) for c in alone] == [tokens_of(c) for c in together] == expected
+            # Every prompt after the first found the 20 system tokens (5 blocks of 4) cached.
+            assert all(c[-1].timings.cached_tokens >= 20 for c in alone[1:])
+            assert cached.stats.num_prefix_hit_tokens >= 20 * (2 * len(prompts) - 1)
+            assert cached.stats.num_preemptions > 0 or "num_kv_blocks" not in overrides
+            cached.block_manager.check_integrity(cached.scheduler.requests())
+            await wait_for(lambda: cached.stats.kv_blocks_used == 0)
+        finally:
+            cached.shutdown()

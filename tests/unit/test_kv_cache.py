@@ -46,3 +46,67 @@ def test_check_integrity_catches_a_lost_block():
     request.block_table.clear()
     with pytest.raises(AssertionError):
         manager.check_integrity([request])
+
+
+def computed(manager, request, num_tokens):
+    """Pretend a forward computed the request's first `num_tokens` tokens."""
+    manager.allocate(request, num_tokens - request.num_computed_tokens)
+    request.num_computed_tokens = num_tokens
+    manager.register(request)
+
+
+def test_a_second_prompt_adopts_the_full_blocks_of_a_shared_prefix():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    first, second = make_request(10), make_request(11)
+    computed(manager, first, 10)
+    assert manager.num_cached == 2  # tokens 1-8; the last block is not full
+    hits = manager.cached_prefix(second)
+    assert hits == first.block_table[:2]
+    manager.adopt_prefix(second, hits)
+    assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
+    assert manager.num_used == 3  # the two shared blocks are counted once
+    manager.allocate(second, 3)
+    manager.check_integrity([first, second])
+    assert (manager.num_prefix_queries, manager.num_prefix_hits) == (11, 8)
+
+
+def test_the_last_prompt_token_is_always_computed():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    first, again = make_request(8), make_request(8)
+    computed(manager, first, 8)
+    assert manager.num_cached == 2
+    # Both blocks match, but the second holds the token whose logits the step needs.
+    assert len(manager.cached_prefix(again)) == 1
+
+
+def test_a_different_earlier_token_means_no_hit():
+    manager = BlockManager(num_blocks=10, block_size=4)
+    first = make_request(12)
+    computed(manager, first, 12)
+    other = make_request(12)
+    other.token_ids[0] = 99  # same tokens 2-12, different first block: the chain differs throughout
+    assert manager.cached_prefix(other) == []
+
+
+def test_released_blocks_stay_cached_until_handed_out_again():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    first = make_request(9)
+    computed(manager, first, 9)
+    manager.deallocate(first)
+    assert manager.num_used == 0 and manager.num_free == 4 and manager.num_cached == 2
+    again = make_request(9)
+    manager.adopt_prefix(again, manager.cached_prefix(again))
+    assert again.num_computed_tokens == 8 and manager.num_free == 2
+    manager.deallocate(again)
+    # A stranger needing every block evicts the cached ones, least recently released first.
+    stranger = make_request(16, first_token=100)
+    manager.allocate(stranger, 16)
+    assert manager.num_cached == 0 and manager.cached_prefix(make_request(9)) == []
+    manager.check_integrity([stranger])
+
+
+def test_disabled_prefix_caching_never_hits():
+    manager = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    first = make_request(10)
+    computed(manager, first, 10)
+    assert manager.num_cached == 0 and manager.cached_prefix(make_request(10)) == []

@@ -78,7 +78,7 @@ def test_admission_respects_max_num_seqs():
 
 def test_out_of_blocks_preempts_the_youngest_and_it_recomputes():
     scheduler, manager = create_scheduler(num_blocks=8, block_size=4, budget=64)
-    old, young = make_request(8, max_tokens=20), make_request(8, max_tokens=20)
+    old, young = make_request(8, max_tokens=20), make_request(8, max_tokens=20, first_token=100)
     scheduler.add(old)
     scheduler.add(young)
     run_step(scheduler)
@@ -112,6 +112,41 @@ def test_random_workload_keeps_block_accounting_exact():
             run_step(scheduler)
             finished += before - len(scheduler.requests())
         manager.check_integrity(scheduler.requests())
-        used = sum(len(r.block_table) for r in scheduler.running)
+        used = len({block_id for r in scheduler.running for block_id in r.block_table})
         assert used == manager.num_used
     assert finished > 20
+
+
+def test_a_repeated_prompt_prefills_only_what_the_cache_lacks():
+    scheduler, manager = create_scheduler(block_size=4, budget=64)
+    first = make_request(14, max_tokens=2)
+    scheduler.add(first)
+    assert [n for _, n in run_step(scheduler).scheduled] == [14]
+    second = make_request(14, max_tokens=2)
+    scheduler.add(second)
+    plan = run_step(scheduler)
+    # first decodes one token; second adopts first's 3 full blocks and computes 2 tokens.
+    assert [(r is second, n) for r, n in plan.scheduled] == [(False, 1), (True, 2)]
+    assert second.num_cached_tokens == 12
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+    assert manager.num_used == 0 and manager.num_cached > 0
+    manager.check_integrity([])
+
+
+def test_admission_counts_the_cached_blocks_it_takes_off_the_free_pool():
+    scheduler, manager = create_scheduler(num_blocks=4, block_size=4, budget=64)
+    first = make_request(12, max_tokens=1)
+    scheduler.add(first)
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+    assert manager.num_free == 4 and manager.num_cached == 3
+    # 3 cached blocks adopted off the free pool + 1 fresh one for token 13 = all 4.
+    second = make_request(13, max_tokens=3)
+    scheduler.add(second)
+    run_step(scheduler)
+    assert second.num_cached_tokens == 12 and manager.num_free == 0
+    while scheduler.has_unfinished:
+        run_step(scheduler)
+        manager.check_integrity(scheduler.requests())
+    assert second.num_output_tokens == 3
