@@ -67,7 +67,7 @@ def _speculative_config(settings: Settings) -> SpeculativeConfig | None:
 
 
 def build_state(settings: Settings) -> ServerState:
-    loaded = load_model(settings.model, settings.cache_dir, settings.device, settings.dtype)
+    loaded = load_model(settings.model, settings.cache_dir, settings.device, settings.dtype, settings.int4_max_tokens)
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     num_blocks = num_kv_blocks_for(settings.kv_cache_gib, loaded, settings.block_size, draft_model)

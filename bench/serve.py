@@ -29,16 +29,42 @@ from pathlib import Path
 
 import httpx
 
-PROMPTS = [
-    "Write a story about a lighthouse keeper.",
-    "Explain how a steam engine works.",
-    "Describe a journey across a desert.",
-    "Give me a recipe for bread.",
-    "What makes a good friend?",
-    "Tell me about the history of the bicycle.",
-    "Write a poem about the sea.",
-    "How do airplanes stay in the air?",
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import peers  # noqa: E402
+from bench.peers import Model  # noqa: E402
+
+TASKS = [
+    "Write a short story about",
+    "Explain in simple words",
+    "Describe",
+    "Give me five facts about",
+    "Write a poem about",
+    "Tell me the history of",
+    "What would a child ask about",
+    "Write a product review of",
 ]
+SUBJECTS = [
+    "a lighthouse keeper",
+    "how a steam engine works",
+    "a journey across a desert",
+    "baking bread",
+    "friendship",
+    "the bicycle",
+    "the sea",
+    "how airplanes fly",
+    "volcanoes",
+    "the moon",
+    "a busy train station",
+    "honey bees",
+    "chess",
+    "the printing press",
+    "a rainy city",
+    "coffee",
+]
+# Every request of a sweep up to 64 streams x 2 requests asks something different, so a
+# prefix cache finds only what real traffic shares (the chat template's system prompt).
+PROMPTS = [f"{task} {subject}." for subject in SUBJECTS for task in TASKS]
 
 
 @dataclass
@@ -103,6 +129,11 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str | None, p
     return sample
 
 
+async def warm_up(base: str, model: str | None) -> None:
+    async with httpx.AsyncClient(timeout=300) as client:
+        await one_request(client, base, model, PROMPTS[0], 8)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -118,7 +149,7 @@ async def level(base: str, model: str | None, concurrency: int, args: argparse.N
     async def worker(index: int) -> list[Sample]:
         samples = []
         for turn in range(args.requests_per_worker):
-            prompt = PROMPTS[(index + turn) % len(PROMPTS)]
+            prompt = PROMPTS[(turn * concurrency + index) % len(PROMPTS)]
             samples.append(await one_request(client, base, model, prompt, args.max_tokens))
         return samples
 
@@ -147,23 +178,29 @@ async def level(base: str, model: str | None, concurrency: int, args: argparse.N
     }
 
 
+def default_model() -> Model:
+    """The embedded default model: its converted folder (made on first use) and its GGUF."""
+    from engine.loader import convert_gguf, default_model_gguf
+
+    cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+    return Model(folder=convert_gguf(default_model_gguf(), cache), gguf=default_model_gguf())
+
+
 def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-    if path is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from engine.loader import convert_gguf, default_model_gguf
-
-        cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
-        path = str(convert_gguf(default_model_gguf(), cache))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path or default_model().folder)
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
-def spawn(flags: str) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def spawn(flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
     proc = subprocess.Popen(command, env=env)
@@ -208,6 +245,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", action="append", default=[], help="NAME=BASE_URL of a running server")
     parser.add_argument("--spawn", action="append", default=[], help='NAME="sluice flags": start Sluice for the run')
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=["transformers", "llama-server"],
+        help="start a peer server on the default model (installed by bench/peers.py into its own environment)",
+    )
     parser.add_argument("--model", help="the `model` field to send (peers may need it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--requests-per-worker", type=int, default=2)
@@ -216,16 +260,26 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="tokenizer folder for counting (default: the default model's)")
     parser.add_argument("--out", default="bench/results/serve", help="output path without extension")
     args = parser.parse_args()
-    if not args.server and not args.spawn:
+    if not args.server and not args.spawn and not args.peer:
         args.server = ["sluice=http://127.0.0.1:8000"]
     count_tokens = load_tokenizer(args.tokenizer)
 
+    def start(kind: str, where: str) -> tuple[subprocess.Popen | None, str]:
+        if kind == "spawn":
+            return spawn(where)
+        if kind == "peer":
+            return peers.start(where, default_model(), free_port())
+        return None, where
+
     results: dict[str, list[dict]] = {}
-    targets = [(spec.split("=", 1)[0], spec.split("=", 1)[1], False) for spec in args.server]
-    targets += [(spec.split("=", 1)[0], spec.split("=", 1)[1] if "=" in spec else "", True) for spec in args.spawn]
-    for name, where, spawned in targets:
-        proc, base = spawn(where) if spawned else (None, where)
+    targets = [(spec.split("=", 1)[0], "server", spec.split("=", 1)[1]) for spec in args.server]
+    targets += [(spec.split("=", 1)[0], "spawn", spec.split("=", 1)[1] if "=" in spec else "") for spec in args.spawn]
+    targets += [(peer, "peer", peer) for peer in args.peer]
+    for name, kind, where in targets:
+        proc, base = start(kind, where)
         try:
+            # One untimed request first: some servers load or compile on their first request.
+            asyncio.run(warm_up(base, args.model))
             results[name] = []
             for concurrency in args.concurrency:
                 report = asyncio.run(level(base, args.model, concurrency, args, count_tokens))

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
+from engine.quant import Int4Weight
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -19,7 +20,11 @@ class UnsupportedModelError(ValueError):
 
 class PagedCausalLM:
     """Reuses the HF model's embeddings, norms, projections, MLPs and rotary embedding;
-    replaces its attention with paged_attention so requests of any length share one forward."""
+    replaces its attention with paged_attention so requests of any length share one forward.
+
+    With int4 copies of its linear layers (use_int4), a step of at most
+    `int4_max_tokens` tokens runs on those instead of the full-precision weights.
+    """
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         config = hf_model.config
@@ -43,6 +48,13 @@ class PagedCausalLM:
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self.dtype = hf_model.dtype
         self.device = hf_model.device
+        self.int4_max_tokens = 0
+        self._int4: dict[torch.nn.Linear, Int4Weight] = {}
+
+    def use_int4(self, weights: dict[torch.nn.Linear, Int4Weight], max_tokens: int) -> None:
+        """Run steps of at most `max_tokens` tokens on these int4 copies of linear layers."""
+        self._int4 = weights
+        self.int4_max_tokens = max_tokens if weights else 0
 
     def first_layers(self, num_layers: int) -> PagedCausalLM:
         """A self-draft: the same embeddings, final norm and head over only the first layers
@@ -65,24 +77,32 @@ class PagedCausalLM:
     ) -> torch.Tensor:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
         num_tokens = input_ids.shape[0]
+        int4 = self._int4 if num_tokens <= self.int4_max_tokens else {}
+
+        def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            quantized = int4.get(linear)
+            return linear(x) if quantized is None else quantized(x)
+
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = project(attn.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)
+            k = project(attn.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = project(attn.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
-            hidden = hidden + attn.o_proj(o.view(num_tokens, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + project(attn.o_proj, o.view(num_tokens, -1))
+            x = layer.post_attention_layernorm(hidden)
+            mlp = layer.mlp
+            hidden = hidden + project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
         hidden = self.norm(hidden[logits_indices])
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden).float()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

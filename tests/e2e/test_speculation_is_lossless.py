@@ -27,9 +27,9 @@ _reference: list[str] = []
 
 @pytest.fixture(scope="module", params=list(PROPOSERS))
 def speculative_server(request):
-    from tests.e2e.conftest import _serve
+    from tests.e2e.conftest import BATCH_INVARIANT, _serve
 
-    yield from _serve("--dtype", "float32", "--speculative-max-batch-size", "8", *PROPOSERS[request.param])
+    yield from _serve(*BATCH_INVARIANT, "--speculative-max-batch-size", "8", *PROPOSERS[request.param])
 
 
 async def complete(client, base, prompt, speculative):
