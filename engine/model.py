@@ -23,7 +23,8 @@ class PagedCausalLM:
     replaces its attention with paged_attention so requests of any length share one forward.
 
     With int4 copies of its linear layers (use_int4), a step of at most
-    `int4_max_tokens` tokens runs on those instead of the full-precision weights.
+    `int4_max_tokens` tokens runs on those instead of the full-precision weights, unless
+    the caller says it computes prompt tokens.
     """
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
@@ -74,10 +75,11 @@ class PagedCausalLM:
         meta: AttentionMetadata,
         kv_cache: KVCache,
         logits_indices: torch.Tensor,
+        allow_int4: bool = True,
     ) -> torch.Tensor:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
         num_tokens = input_ids.shape[0]
-        int4 = self._int4 if num_tokens <= self.int4_max_tokens else {}
+        int4 = self._int4 if allow_int4 and num_tokens <= self.int4_max_tokens else {}
 
         def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             quantized = int4.get(linear)

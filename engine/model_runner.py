@@ -99,12 +99,16 @@ class ModelRunner:
         if decodes:
             starts = [s.start for s in segments if len(s.token_ids) == 1]
             meta.decode_slots, meta.decode_mask = self._decode_context(decodes, starts)
+        # Prompt tokens always get the full-precision weights, so a prompt's K/V and first token
+        # never depend on the prefix cache or on what else is in the step.
+        computes_prompt = any(s.start < s.request.num_prompt_tokens for s in segments)
         return self.model.forward(
             self._tensor(input_ids),
             self._tensor(positions),
             meta,
             self.kv_cache,
             self._tensor(logits_indices),
+            allow_int4=not computes_prompt,
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

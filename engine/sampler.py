@@ -134,6 +134,7 @@ def token_logprobs(
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
     for j, row in enumerate(rows):
         want = requests[row].params.logprobs
-        top = tuple(zip(top_ids[j, :want].tolist(), top_values[j, :want].tolist()))
+        # Ties in token id order, as argmax breaks them, so a greedy token heads its own list.
+        top = tuple(sorted(zip(top_ids[j, :want].tolist(), top_values[j, :want].tolist()), key=lambda e: (-e[1], e[0])))
         result[row] = TokenLogprob(token_ids[row], chosen[j, 0].item(), top)
     return result

@@ -55,7 +55,8 @@ async def test_async_completion(async_client, model_name):
         model=model_name, prompt="The capital of France is", max_tokens=5, temperature=0
     )
     assert "Paris" in result.choices[0].text
-    assert result.usage.completion_tokens == 5 and result.choices[0].finish_reason == "length"
+    tokens = result.usage.completion_tokens
+    assert 2 <= tokens <= 5 and result.choices[0].finish_reason == ("length" if tokens == 5 else "stop")
 
 
 def test_completion_stream_matches_non_stream(client, model_name):

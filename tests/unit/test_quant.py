@@ -64,14 +64,17 @@ async def test_int4_steps_decode_exactly_what_full_precision_does_on_4_bit_weigh
     hf_modules = [m for layer in model.layers for m in layer.modules()] + [model.lm_head]
     copies = {m: w for module in hf_modules for m, w in int4_copies(module, torch.float32).items()}
     assert len(copies) == 7 * model.num_layers + 1  # q, k, v, o, gate, up, down per layer, and the head
-    model.use_int4(copies, max_tokens=1 << 20)  # every step, prefills included
+    model.use_int4(copies, max_tokens=1 << 20)  # every decode step
     try:
         assert await greedy_outputs(four_bit_loaded, prompts) == expected
     finally:
         model.use_int4({}, 0)
 
 
-async def test_only_steps_within_the_threshold_use_the_int4_copies(four_bit_loaded):
+@pytest.mark.parametrize("max_tokens, expected_sizes", [(1, {1}), (1 << 20, {1, 2})])
+async def test_int4_runs_decode_steps_within_the_threshold_and_never_prompt_tokens(
+    four_bit_loaded, max_tokens, expected_sizes
+):
     model = four_bit_loaded.model
     q_proj = model.layers[0].self_attn.q_proj
     quantized = Int4Weight.quantize(q_proj.weight, torch.float32)
@@ -81,13 +84,19 @@ async def test_only_steps_within_the_threshold_use_the_int4_copies(four_bit_load
         step_sizes.append(x.shape[0])
         return quantized(x)
 
-    model.use_int4({q_proj: spy}, max_tokens=2)
+    model.use_int4({q_proj: spy}, max_tokens=max_tokens)
+    engine = tiny_engine(four_bit_loaded, max_num_batched_tokens=3)
+    engine.start()
     try:
-        # Prefill steps (3 tokens each) stay in full precision; the joint decode steps (2) use int4.
-        await greedy_outputs(four_bit_loaded, [[1, 2, 3], [4, 5, 6]], max_num_batched_tokens=3)
+        # Prompt steps (3 tokens each) never use int4; decode steps are 2 tokens, then 1.
+        await asyncio.gather(
+            collect(engine, [1, 2, 3], SamplingParams(max_tokens=16, temperature=0.0)),
+            collect(engine, [4, 5, 6], SamplingParams(max_tokens=8, temperature=0.0)),
+        )
     finally:
+        engine.shutdown()
         model.use_int4({}, 0)
-    assert step_sizes and set(step_sizes) <= {1, 2}
+    assert set(step_sizes) == expected_sizes
 
 
 def test_int4_is_on_by_default_only_for_the_embedded_model_on_cpu():
