@@ -22,7 +22,8 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
-# The serving sweep (bench/serve.py) against a Sluice it starts; ARGS adds servers, levels, flags.
+# The serving sweep (bench/serve.py) against a Sluice it starts; ARGS adds servers, levels, flags:
+# `make bench ARGS="--peer transformers"` also runs `transformers serve` in its own environment.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/serve.py --spawn sluice= $(ARGS)

@@ -7,10 +7,12 @@
 - `raw`: the model's paged forward plus a greedy argmax, decoding a batch of the benchmark's
   chat prompts for `--max-tokens` steps; no scheduler, no sampling parameters, no streams.
   Tokens/s = batch size / step time.
-- `engine`: the same workload as bench/serve.py (chat template, temperature 0.7, `--max-tokens`
-  each, workers submitting back to back) submitted straight into the Engine; output tokens/s
-  counted from the token ids the channels deliver, and TTFT p50.
-- `http`: bench/serve.py's sweep against a Sluice server started with the same flags.
+- `engine`: bench/serve.py's workload (its chat prompts, temperature 0.7, workers submitting
+  back to back), but every request runs to `--max-tokens` (ignore_eos) like the raw forward's,
+  submitted straight into the Engine; output tokens/s counted from the token ids the channels
+  deliver, and TTFT p50. Prefills, sampling, scheduling and streams are what it adds.
+- `http`: bench/serve.py's sweep with `--ignore-eos` against a Sluice server started with the
+  same flags.
 
 Everything that runs torch runs on one thread, as in the server (see Engine.run).
 """
@@ -85,7 +87,7 @@ def raw_forward(state: ServerState, batch: int, steps: int) -> float:
 async def engine_level(state: ServerState, concurrency: int, args: argparse.Namespace) -> dict:
     """bench/serve.py's workload, straight into the engine."""
     loop = asyncio.get_running_loop()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, ignore_eos=True)
     ttfts: list[float] = []
     counts: list[int] = []
 
@@ -156,6 +158,8 @@ def main() -> None:
     parser.add_argument("--http", action="store_true", help="also run bench/serve.py against a spawned server")
     parser.add_argument("--out", default="bench/results/engine.json")
     args = parser.parse_args()
+    # Every request runs to --max-tokens in every layer, as the raw forward's sequences do.
+    args.ignore_eos = True
     settings = CliApp.run(Settings, cli_args=shlex.split(args.flags))
     torch.set_grad_enabled(False)
 

@@ -79,13 +79,17 @@ class Sample:
     fault: str | None = None
 
 
-async def one_request(client: httpx.AsyncClient, base: str, model: str | None, prompt: str, max_tokens: int) -> Sample:
+async def one_request(
+    client: httpx.AsyncClient, base: str, model: str | None, prompt: str, max_tokens: int, ignore_eos: bool = False
+) -> Sample:
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.7,
         "stream": True,
     }
+    if ignore_eos:
+        body["ignore_eos"] = True
     if model:
         body["model"] = model
     sample = Sample()
@@ -150,7 +154,7 @@ async def level(base: str, model: str | None, concurrency: int, args: argparse.N
         samples = []
         for turn in range(args.requests_per_worker):
             prompt = PROMPTS[(turn * concurrency + index) % len(PROMPTS)]
-            samples.append(await one_request(client, base, model, prompt, args.max_tokens))
+            samples.append(await one_request(client, base, model, prompt, args.max_tokens, args.ignore_eos))
         return samples
 
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -256,6 +260,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--requests-per-worker", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true", help="fixed-length outputs (Sluice and vLLM extension)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--tokenizer", help="tokenizer folder for counting (default: the default model's)")
     parser.add_argument("--out", default="bench/results/serve", help="output path without extension")

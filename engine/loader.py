@@ -100,13 +100,13 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 
 def resolve_int4_max_tokens(int4_max_tokens: int | None, default_model: bool, device: torch.device) -> int:
-    """None (auto): int4 for steps of up to 32 tokens when serving the embedded default model on
-    CPU, whose weights ship as 4-bit (so nothing is lost), else off. Around 32 tokens the int4
-    step stops beating bf16 on a 2-core CPU (README, int4 for small steps)."""
+    """None (auto): int4 for decode steps of up to 16 tokens when serving the embedded default
+    model on CPU, whose weights ship as 4-bit, else off. Between 16 and 32 tokens the int4 step
+    stops beating bf16 on a 2-core CPU (README, int4 for small steps)."""
     if not int4_supported(device):
         return 0
     if int4_max_tokens is None:
-        return 32 if default_model else 0
+        return 16 if default_model else 0
     return int4_max_tokens
 
 

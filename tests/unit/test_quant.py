@@ -101,7 +101,7 @@ async def test_int4_runs_decode_steps_within_the_threshold_and_never_prompt_toke
 
 def test_int4_is_on_by_default_only_for_the_embedded_model_on_cpu():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_int4_max_tokens(None, default_model=True, device=cpu) == 32
+    assert resolve_int4_max_tokens(None, default_model=True, device=cpu) == 16
     assert resolve_int4_max_tokens(None, default_model=False, device=cpu) == 0
     assert resolve_int4_max_tokens(3, default_model=False, device=cpu) == 3
     assert resolve_int4_max_tokens(None, default_model=True, device=cuda) == 0
