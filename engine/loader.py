@@ -130,7 +130,10 @@ def load_model(
     # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
     load_dtype = torch.float32 if int4_tokens else torch_dtype
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(torch_device).eval()
-    int4 = int4_copies(hf_model, torch_dtype) if int4_tokens else {}
+    # The decoder layers only: the output head is where 4 bits cost the most (on the default model,
+    # whose head ships as Q8_0, an int4 head agreed with float32 on the top token 87% of the time
+    # over 1024 positions of text, against 97% for a bf16 head).
+    int4 = int4_copies(hf_model.model, torch_dtype) if int4_tokens else {}
     for parameter in hf_model.parameters():
         # Parameters only: buffers such as the rotary inv_freq keep their float32 precision.
         parameter.data = parameter.data.to(torch_dtype)
