@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -18,36 +16,6 @@ SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 class UnsupportedModelError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class _FusedProjections:
-    """A layer's projections that read the same input, as one weight each: one matmul instead of
-    three (q, k, v) and two (gate, up). The HF modules' weights become views into these."""
-
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor
-
-    @classmethod
-    def fuse(cls, layer: torch.nn.Module) -> _FusedProjections:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        return cls(
-            qkv_weight=_fuse_weights(qkv),
-            qkv_bias=torch.cat([p.bias.data for p in qkv]) if attn.q_proj.bias is not None else None,
-            gate_up_weight=_fuse_weights([mlp.gate_proj, mlp.up_proj]),
-        )
-
-
-def _fuse_weights(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    weight = torch.cat([linear.weight.data for linear in linears])
-    start = 0
-    for linear in linears:
-        end = start + linear.out_features
-        linear.weight.data = weight[start:end]
-        start = end
-    return weight
 
 
 class PagedCausalLM:
@@ -81,8 +49,6 @@ class PagedCausalLM:
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self.dtype = hf_model.dtype
         self.device = hf_model.device
-        with torch.no_grad():
-            self._fused = [_FusedProjections.fuse(layer) for layer in self.layers]
         self.int4_max_tokens = 0
         self._int4: dict[torch.nn.Linear, Int4Weight] = {}
 
@@ -122,17 +88,12 @@ class PagedCausalLM:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        for index, (layer, fused) in enumerate(zip(self.layers, self._fused)):
-            attn, mlp = layer.self_attn, layer.mlp
+        for index, layer in enumerate(self.layers):
+            attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            if int4:
-                q, k, v = (project(linear, x) for linear in (attn.q_proj, attn.k_proj, attn.v_proj))
-            else:
-                q, k, v = F.linear(x, fused.qkv_weight, fused.qkv_bias).split([q_width, kv_width, kv_width], dim=-1)
-            q = q.unflatten(-1, (self.num_heads, self.head_dim))
-            k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-            v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+            q = project(attn.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)
+            k = project(attn.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = project(attn.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
@@ -140,11 +101,8 @@ class PagedCausalLM:
             o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
             hidden = hidden + project(attn.o_proj, o.view(num_tokens, -1))
             x = layer.post_attention_layernorm(hidden)
-            if int4:
-                gate, up = project(mlp.gate_proj, x), project(mlp.up_proj, x)
-            else:
-                gate, up = F.linear(x, fused.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + project(mlp.down_proj, mlp.act_fn(gate) * up)
+            mlp = layer.mlp
+            hidden = hidden + project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
         hidden = self.norm(hidden[logits_indices])
         return project(self.lm_head, hidden).float()
 
