@@ -6,7 +6,7 @@
 Environments live under `$SLUICE_PEERS_DIR` (default `~/.cache/sluice-peers`), never in the project's
 `.venv`. `transformers` is `transformers serve --continuous-batching` in a venv of its own (torch pinned
 to the CPU wheel, as the project does). `llama-server` is built with cmake from the llama.cpp sources
-that the `llama-cpp-python` sdist vendors (about 15 minutes on two cores) and serves the default
+that the `llama-cpp-python` sdist vendors (about 8 minutes on two cores) and serves the default
 model's own Q4_1 GGUF.
 """
 
