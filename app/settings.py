@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     """auto: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
     int4_max_tokens: int | None = Field(None, ge=0)
     """Decode steps of at most this many tokens run on int4 copies of the weights (groups of 32, as GGUF
-    Q4_1), up to 2.7x faster on a CPU; prompt tokens and larger steps use --dtype. Default: 16 for the
+    Q4_1), up to 1.8x faster on a CPU; prompt tokens and larger steps use --dtype. Default: 16 for the
     embedded default model on CPU (its weights ship as 4-bit), 0 (off) otherwise."""
     max_num_seqs: int = Field(64, ge=1)
     """Most requests decoding together in one step; more wait in the queue."""

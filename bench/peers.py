@@ -139,18 +139,24 @@ def command(peer: str, model: Model, port: int) -> list[str]:
 def start(peer: str, model: Model, port: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(command(peer, model, port), env=dict(os.environ, HF_HUB_OFFLINE="1"))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    wait_until_healthy(proc, base, peer)
+    return proc, base
+
+
+def wait_until_healthy(proc: subprocess.Popen, base: str, name: str, timeout: float = 600) -> None:
+    """Poll `base`/health until it answers 200; kill the server and raise if it exits or never does."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{peer} exited with {proc.returncode} during start-up")
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"{peer} did not start")
+    raise RuntimeError(f"{name} did not start")
 
 
 def main() -> None:

@@ -209,15 +209,8 @@ def spawn(flags: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
     proc = subprocess.Popen(command, env=env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"sluice {flags!r} did not start")
+    peers.wait_until_healthy(proc, base, f"sluice {flags!r}")
+    return proc, base
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> bool:

@@ -18,15 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.serve import spawn  # noqa: E402
 
 PASSAGES = [
     "The lighthouse stood on a rock at the mouth of the bay. Every evening at dusk the keeper climbed "
@@ -112,24 +113,6 @@ async def run(base: str, args: argparse.Namespace) -> dict:
             "ratio": round(on / off, 2),
         }
     return report
-
-
-def spawn(flags: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
-    proc = subprocess.Popen(command, env=env)
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server with {flags!r} did not start")
 
 
 def main() -> None:

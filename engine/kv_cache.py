@@ -87,16 +87,16 @@ class BlockManager:
 
     def register(self, request: Request) -> None:
         """Register the request's blocks that have become full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
         num_full = request.num_computed_tokens // self.block_size
         start = request.num_registered_blocks
+        if not self.enable_prefix_caching or num_full <= start:
+            return
         for block_id, prefix_hash in zip(request.block_table[start:num_full], self._hashes(request, num_full)[start:]):
             # A block another request computed with the same tokens stays the one found.
             if prefix_hash not in self._cached:
                 self._cached[prefix_hash] = block_id
                 self._hash_of[block_id] = prefix_hash
-        request.num_registered_blocks = max(start, num_full)
+        request.num_registered_blocks = num_full
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the first `num_blocks` full blocks of the request's tokens, each chained to
