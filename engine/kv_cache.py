@@ -66,8 +66,12 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def num_free_among(self, block_ids: list[int]) -> int:
-        return sum(1 for block_id in block_ids if block_id in self._free)
+    def num_blocks_to_admit(self, cached: list[int], num_new_tokens: int) -> int:
+        """Free-pool blocks a request holding none takes to start on its `cached` prefix blocks and
+        add `num_new_tokens`: fresh blocks past the cached ones, plus the cached ones in the pool."""
+        num_slots = len(cached) * self.block_size + num_new_tokens
+        num_fresh = -(-num_slots // self.block_size) - len(cached)
+        return num_fresh + sum(1 for block_id in cached if block_id in self._free)
 
     def adopt_prefix(self, request: Request, block_ids: list[int]) -> None:
         """Start `request` (holding no blocks) on the cached blocks of its prefix."""

@@ -112,12 +112,8 @@ class Scheduler:
             request = self.waiting[0]
             # New or preempted, it holds no blocks: start it on whatever the prefix cache has.
             cached = self.block_manager.cached_prefix(request)
-            size = self.block_manager.block_size
-            num_cached_tokens = len(cached) * size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
-            # Fresh blocks for the new tokens, plus the cached ones that adopting takes off the free pool.
-            needed = -(-(num_cached_tokens + num_new) // size) - len(cached) + self.block_manager.num_free_among(cached)
-            if not self.block_manager.can_allocate(needed):
+            num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_new)):
                 break
             self.waiting.popleft()
             self.block_manager.adopt_prefix(request, cached)
