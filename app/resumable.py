@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from app.streaming import Generation
+from app.streaming import Generation, sse_event
 
 
 class ResumableStream:
@@ -41,7 +41,7 @@ class ResumableStream:
             self._done = True
             self._wake()
 
-    async def subscribe(self, after: int) -> AsyncIterator[dict]:
+    async def subscribe(self, after: int) -> AsyncIterator[bytes]:
         """Every event after id `after`, then live ones until [DONE]."""
         self._attach()
         delivered = after
@@ -50,7 +50,7 @@ class ResumableStream:
                 grew = self._grew
                 while delivered < len(self._events):
                     delivered += 1
-                    yield {"id": str(delivered), "data": self._events[delivered - 1]}
+                    yield sse_event(delivered, self._events[delivered - 1])
                 if self._done:
                     # A client has everything: nobody needs the log any more.
                     self._registry.forget(self)
@@ -93,7 +93,7 @@ class StreamRegistry:
         self._resumable: dict[str, ResumableStream] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    def serve(self, generation: Generation, resumable: bool) -> AsyncIterator[dict]:
+    def serve(self, generation: Generation, resumable: bool) -> AsyncIterator[bytes]:
         """The numbered SSE events of a new stream."""
         if not resumable:
             return self._direct(generation)
@@ -124,7 +124,7 @@ class StreamRegistry:
         if self.holds(stream):
             del self._resumable[stream.generation.completion_id]
 
-    async def _direct(self, generation: Generation) -> AsyncIterator[dict]:
+    async def _direct(self, generation: Generation) -> AsyncIterator[bytes]:
         """A plain stream: the reader's disconnect cancels it at once."""
         self._live[generation.completion_id] = generation
         payloads = generation.events()
@@ -132,7 +132,7 @@ class StreamRegistry:
             event_id = 0
             async for data in payloads:
                 event_id += 1
-                yield {"id": str(event_id), "data": data}
+                yield sse_event(event_id, data)
         finally:
             # Close the inner generator now, not whenever it is collected: that cancels the request.
             await payloads.aclose()

@@ -45,6 +45,8 @@ from engine.sampler import TokenLogprob
 Kind = Literal["chat", "text"]
 
 DONE = "[DONE]"
+# Stands for a delta's text while a chunk template is rendered; never in an id or a model name.
+_TEXT_SLOT = "\u0001sluice-text\u0001"
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Generation:
     token_bytes: TokenBytes
     completion_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    # Per choice: a content chunk's JSON before and after its text.
+    _text_templates: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -169,10 +173,25 @@ class Generation:
     # Payloads.
 
     def _delta(self, chunk: Chunk, text_offsets: list[int]) -> str:
+        if not self.wants_logprobs:
+            # The hot path, once per chunk of every stream: a pre-rendered chunk with the text spliced in.
+            prefix, suffix = self._text_templates.get(chunk.index) or self._text_template(chunk.index)
+            return prefix + json.dumps(chunk.text, ensure_ascii=False) + suffix
         if self.kind == "chat":
             return self._chat_chunk(chunk.index, ChatDelta(content=chunk.text), self._chat_logprobs(chunk.logprobs))
         logprobs, text_offsets[chunk.index] = self._completion_logprobs(chunk.logprobs, text_offsets[chunk.index])
         return self._text_chunk(CompletionChoice(index=chunk.index, text=chunk.text, logprobs=logprobs))
+
+    def _text_template(self, index: int) -> tuple[str, str]:
+        """Choice `index`'s content chunk rendered once by its pydantic model, split where the text goes,
+        so every delta is byte for byte what the model would render."""
+        if self.kind == "chat":
+            rendered = self._chat_chunk(index, ChatDelta(content=_TEXT_SLOT))
+        else:
+            rendered = self._text_chunk(CompletionChoice(index=index, text=_TEXT_SLOT))
+        prefix, suffix = rendered.split(json.dumps(_TEXT_SLOT))
+        self._text_templates[index] = (prefix, suffix)
+        return prefix, suffix
 
     def _finish(self, chunk: Chunk) -> str:
         reason, timings = chunk.finish_reason.value, _timings(chunk.timings)
@@ -274,7 +293,14 @@ def _error_json(chunk: Chunk) -> str:
     return json.dumps(body)
 
 
-def event_stream(events: AsyncIterator[dict], keepalive_seconds: float) -> EventSourceResponse:
+def sse_event(event_id: int, data: str) -> bytes:
+    """One encoded SSE event, as sse-starlette encodes it with `sep="\\n"`; built here because its
+    general encoder costs more per event than the rest of the stream's path. `data` is compact
+    JSON or [DONE], never a line break, so it is one `data:` line."""
+    return f"id: {event_id}\ndata: {data}\n\n".encode()
+
+
+def event_stream(events: AsyncIterator[bytes], keepalive_seconds: float) -> EventSourceResponse:
     """The SSE response, returned before the first token exists; a comment every
     `keepalive_seconds` keeps proxies from closing a quiet stream."""
     return EventSourceResponse(

@@ -1,4 +1,9 @@
-"""StreamChannel: the only way data travels between the engine thread and the event loop."""
+"""StreamChannel and Outbox: the only way data travels between the engine thread and the event loop.
+
+The engine stages every chunk of a step in the Outbox and hands them over in one
+`call_soon_threadsafe` per event loop, so the loop wakes once per step, not once per
+stream: with hundreds of streams a wake-up each would cost more than the step.
+"""
 
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ class StreamChannel:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int = 1) -> None:
-        self._loop = loop
+        self.loop = loop
         self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
         self._cancelled = threading.Event()
         self._num_choices = num_choices
@@ -85,18 +90,14 @@ class StreamChannel:
 
     # Engine thread side.
 
-    def push(self, chunk: Chunk) -> None:
-        """Hand a chunk to the loop without waiting; a no-op once the choice's terminal went out."""
+    def accept(self, chunk: Chunk) -> bool:
+        """Count a chunk about to cross to the reader; False once the choice's terminal went out."""
         if chunk.index not in self._open_choices:
-            return
+            return False
         if chunk.is_terminal:
             self._open_choices.discard(chunk.index)
         self._pushed_tokens += len(chunk.token_ids)
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
-        except RuntimeError:
-            # The loop is closed: the reader is gone with it, so there is nobody to unblock.
-            pass
+        return True
 
     @property
     def cancelled(self) -> bool:
@@ -120,6 +121,9 @@ class StreamChannel:
                 open_choices -= chunk.is_terminal
                 yield chunk
 
+    def _deliver(self, chunk: Chunk) -> None:
+        self._queue.put_nowait(chunk)
+
     def _coalesce(self, chunks: list[Chunk]) -> list[Chunk]:
         """Everything queued, merged into one chunk per choice in first-seen order."""
         while not self._queue.empty():
@@ -128,3 +132,42 @@ class StreamChannel:
         for chunk in chunks:
             merged[chunk.index] = merged[chunk.index].then(chunk) if chunk.index in merged else chunk
         return list(merged.values())
+
+
+class Outbox:
+    """Chunks staged by the engine during a step, delivered at its end in one crossing per loop.
+
+    Staging is locked because two other paths stage from the loop's thread (a request
+    submitted after shutdown began, and shutdown itself); a channel's chunks are staged
+    and flushed in order, so its reader sees them in order.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: list[tuple[StreamChannel, Chunk]] = []
+
+    def stage(self, channel: StreamChannel, chunk: Chunk) -> None:
+        if channel.accept(chunk):
+            with self._lock:
+                self._staged.append((channel, chunk))
+
+    def flush(self) -> None:
+        """Hand everything staged to its event loop without waiting."""
+        with self._lock:
+            if not self._staged:
+                return
+            staged, self._staged = self._staged, []
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StreamChannel, Chunk]]] = {}
+            for channel, chunk in staged:
+                by_loop.setdefault(channel.loop, []).append((channel, chunk))
+            for loop, batch in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, batch)
+                except RuntimeError:
+                    # The loop is closed: its readers are gone with it, so there is nobody to unblock.
+                    pass
+
+
+def _deliver(batch: list[tuple[StreamChannel, Chunk]]) -> None:
+    for channel, chunk in batch:
+        channel._deliver(chunk)

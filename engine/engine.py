@@ -20,7 +20,7 @@ from engine.model import PagedCausalLM
 from engine.model_runner import ModelRunner
 from engine.output import OutputProcessor
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.sampler import TokenLogprob, sample
+from engine.sampler import Sampler, TokenLogprob
 from engine.scheduler import Scheduler, StepPlan
 from engine.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
 
@@ -96,6 +96,7 @@ class Engine:
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
+        self.sampler = Sampler()
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopping = False
@@ -151,6 +152,7 @@ class Engine:
                 self._inbox.put(request)
                 return
         self.output.end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
+        self.output.flush()
 
     def inject_fault(self) -> None:
         """Make the next step raise (for tests of the fault path)."""
@@ -168,6 +170,7 @@ class Engine:
         # Requests submitted before _stopping was set may still sit in the inbox.
         self._drain_inbox(timeout=0)
         self._fail_all(_SHUTDOWN_MESSAGE)
+        self.output.flush()
         self._stats = self._snapshot(alive=False)
 
     @property
@@ -193,6 +196,7 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - any step failure must end streams, not the engine
                 logger.exception("engine step failed; ending all live requests")
                 self._fail_all(f"engine step failed: {exc}")
+            self.output.flush()
             self._stats = self._snapshot(alive=True)
             self._log_acceptance()
 
@@ -276,7 +280,10 @@ class Engine:
         plain = [i for i, r in enumerate(samplers) if id(r) not in plan.proposals]
         if plain:
             requests = [samplers[i] for i in plain]
-            sampled = sample(requests, logits[[row_starts[i] for i in plain]])
+            starts = [row_starts[i] for i in plain]
+            # Rows are already in order when no request verifies proposals: no gather copy.
+            plain_logits = logits if starts == list(range(logits.shape[0])) else logits[starts]
+            sampled = self.sampler.sample(requests, plain_logits)
             for request, token_id, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
                 outputs[id(request)] = ([token_id], [logprob] if logprob else [])
         verifying = [i for i, r in enumerate(samplers) if id(r) in plan.proposals]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from engine.channel import Chunk, Timings
+from engine.channel import Chunk, Outbox, Timings
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampler import TokenLogprob
 from engine.scheduler import Scheduler
@@ -20,6 +20,7 @@ class OutputProcessor:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.outbox = Outbox()
 
     def emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> None:
         """Detokenize, cut at a stop string, and push once `stream_interval` tokens are pending
@@ -55,6 +56,10 @@ class OutputProcessor:
         if request.is_finished or len(request.pending_token_ids) >= request.params.stream_interval:
             self._push(request)
 
+    def flush(self) -> None:
+        """Deliver every chunk staged since the last flush (once per step)."""
+        self.outbox.flush()
+
     def end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Latch `status` and send the terminal chunk with whatever output was held back."""
         request.finish(status, error)
@@ -63,7 +68,8 @@ class OutputProcessor:
 
     def _push(self, request: Request) -> None:
         """Send what is pending as one chunk; the terminal one carries the timings."""
-        request.channel.push(
+        self.outbox.stage(
+            request.channel,
             Chunk(
                 token_ids=tuple(request.pending_token_ids),
                 text="".join(request.pending_text),
@@ -72,7 +78,7 @@ class OutputProcessor:
                 finish_reason=request.finish_reason,
                 error=request.error,
                 timings=self._timings(request) if request.is_finished else None,
-            )
+            ),
         )
         request.pending_token_ids, request.pending_text, request.pending_logprobs = [], [], []
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 
-import torch
+from engine.draws import request_key
 
 if TYPE_CHECKING:
     from engine.channel import StreamChannel
@@ -110,7 +110,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # An error message, set only with FINISHED_ERROR.
     error: str | None = None
-    generator: torch.Generator | None = field(init=False, default=None)
+    # Keys this choice's random draws (engine/draws.py): from the seed, or random without one.
+    rng_key: int = field(init=False, default=0)
     # Choices still to be forked off this one once its prompt is prefilled (n > 1).
     num_pending_forks: int = field(init=False, default=0)
     # Output produced but not yet pushed (stream_interval > 1, or held for a stop string).
@@ -128,12 +129,8 @@ class Request:
         if self.index == 0:
             self.num_pending_forks = self.params.n - 1
         if not self.params.greedy:
-            self.generator = torch.Generator()
-            if self.params.seed is None:
-                self.generator.seed()
-            else:
-                # Each choice of a seeded request gets its own reproducible stream.
-                self.generator.manual_seed((self.params.seed + self.index) % 2**64)
+            # Each choice of a seeded request gets its own reproducible draws.
+            self.rng_key = request_key(self.params.seed, self.index)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,16 @@
 """Sampler: logits → tokens (penalties, logit bias, temperature, top-k/p, min-p) and their logprobs.
 
-Each request draws from its own generator, so a seeded request gives the same
-tokens whoever shares its batch.
+What a row costs follows what it asks for. Greedy rows take an argmax and nothing
+else. Sampled rows take one pass of exp over the vocabulary and an inverse-CDF draw
+in two levels (the block of 256 tokens, then the token inside it), never a sort of
+the vocabulary: top-k and top-p cut at a threshold found among a small candidate set
+(`topk`), and the top-p rows whose candidates hold less than top_p of the mass (flat
+distributions) sample by rejection: draw, keep the token if it lies inside the
+nucleus, otherwise raise the floor past it and draw again. Every path is exact.
+
+Each draw is a counter-based uniform keyed by the request and the token's position
+(engine/draws.py), and every per-row reduction runs in an order fixed by the row
+alone, so a seeded request gives the same tokens whoever shares its batch.
 """
 
 from __future__ import annotations
@@ -11,7 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.draws import uniforms
 from engine.request import Request
+
+# Top-k / top-p candidates taken per row before the exact cut inside them.
+NUM_CANDIDATES = 64
+# Tokens per block of the two-level draw.
+BLOCK = 256
+# Rounds of the top-p rejection loop before the few rows still undecided are sorted.
+MAX_REJECTION_ROUNDS = 16
 
 
 @dataclass(frozen=True)
@@ -30,30 +47,205 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
-def sample(requests: Sequence[Request], logits: torch.Tensor) -> SamplerOutput:
-    """One token per row of float32 `logits` [R, V], row i belonging to requests[i]."""
-    processed = apply_penalties(requests, logits)
-    token_ids = processed.argmax(dim=-1).tolist()
-    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-    if rows:
-        sampled_requests = [requests[i] for i in rows]
-        probs = probabilities(processed[rows], sampled_requests)
-        for row, token_id in zip(rows, draw(probs, [r.generator for r in sampled_requests])):
-            token_ids[row] = token_id
-    return SamplerOutput(token_ids, token_logprobs(requests, logits, token_ids))
+class Sampler:
+    """Samples a step's rows; owns a workspace reused across steps, so a step allocates no
+    vocabulary-sized buffer (on a CPU each new one costs its page faults)."""
+
+    def __init__(self) -> None:
+        self._workspace = torch.empty(0)
+
+    def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> SamplerOutput:
+        """One token per row of float32 `logits` [R, V], row i belonging to requests[i]; the
+        token of row i takes position requests[i].num_tokens."""
+        processed = apply_penalties(requests, logits)
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not rows:
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+            if greedy:
+                token_ids[greedy] = processed[greedy].argmax(dim=-1)
+            sampled = [requests[i] for i in rows]
+            chosen = sample_rows(
+                processed if not greedy else processed[rows],
+                sampled,
+                [r.num_tokens for r in sampled],
+                out=self._buffer(len(rows), logits.shape[1], logits.device),
+            )
+            if greedy:
+                token_ids[rows] = chosen
+            else:
+                token_ids = chosen
+        # The one device → host copy of the step's tokens.
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, token_logprobs(requests, logits, ids))
+
+    def _buffer(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._workspace.numel() < rows * vocab or self._workspace.device != device:
+            self._workspace = torch.empty(rows * vocab, device=device)
+        return self._workspace[: rows * vocab].view(rows, vocab)
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> list[int]:
-    """One token per row of `probs` (not necessarily normalized) by inverse CDF.
+def sample_rows(
+    logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A token per row drawn from its truncated distribution; the draws are keyed by (request, position)."""
+    keys = [r.rng_key for r in requests]
+    weights = _weights(logits, requests, out)
+    undecided, targets = truncate(weights, requests)
+    tokens = draw(weights, uniforms(keys, positions))
+    if undecided:
+        tokens[undecided] = _nucleus_by_rejection(
+            weights[undecided],
+            targets,
+            tokens[undecided],
+            [keys[i] for i in undecided],
+            [positions[i] for i in undecided],
+        )
+    return tokens
 
-    One uniform per row from that row's own generator keeps a seeded request's draws
-    independent of whoever else shares the batch.
+
+def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Normalized probabilities after temperature, top-k, top-p and min-p, per row (for
+    speculative decoding, which needs whole distributions)."""
+    weights = _weights(logits, requests)
+    undecided, targets = truncate(weights, requests)
+    if undecided:
+        weights[undecided] = _cut_by_sort(weights[undecided], targets)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _weights(logits: torch.Tensor, requests: Sequence[Request], out: torch.Tensor | None = None) -> torch.Tensor:
+    """exp((logits - max) / temperature) per row: unnormalized probabilities whose largest is 1."""
+    device = logits.device
+    inverse_t = torch.tensor([1.0 / r.params.temperature for r in requests], device=device).unsqueeze(1)
+    shift = -logits.amax(dim=-1, keepdim=True) * inverse_t
+    weights = torch.addcmul(shift, logits, inverse_t, out=out) if out is not None else shift + logits * inverse_t
+    return weights.exp_()
+
+
+def truncate(weights: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], torch.Tensor]:
+    """Zero, in place, the tokens that top-k, top-p and min-p drop (in that order, as vLLM).
+
+    Returns the rows whose top-p cut lies beyond their candidates, with the mass their
+    nucleus must reach: those rows are truncated by top-k and min-p only, and the
+    caller finds the nucleus (by rejection, or by sorting).
     """
-    uniforms = torch.cat([torch.rand(1, generator=g) for g in generators]).to(probs.device)
-    cdf = probs.cumsum(dim=-1)
-    # Scale u to the row's total so rounding never lands past the last token.
-    choice = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)).squeeze(1)
-    return choice.clamp_(max=probs.shape[1] - 1).tolist()
+    params = [r.params for r in requests]
+    num_rows, vocab = weights.shape
+    device = weights.device
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    floors = torch.tensor([p.min_p for p in params], device=device)
+    undecided: list[int] = []
+    targets = torch.empty(0, device=device, dtype=torch.float64)
+    cut_rows = [i for i in range(num_rows) if top_k[i] or params[i].top_p < 1.0]
+    if cut_rows:
+        # Sorted, largest first; all of a row's top-k tokens, and at least NUM_CANDIDATES.
+        num_candidates = min(vocab, max(NUM_CANDIDATES if nucleus_rows else 0, max(top_k)))
+        selected = weights if len(cut_rows) == num_rows else weights[cut_rows]
+        candidates = selected.topk(num_candidates, dim=-1).values
+        row_of = {row: j for j, row in enumerate(cut_rows)}
+        k_rows = [i for i in cut_rows if top_k[i]]
+        if k_rows:
+            ranks = torch.arange(num_candidates, device=device)
+            k = torch.tensor([top_k[i] or num_candidates for i in cut_rows], device=device).unsqueeze(1)
+            candidates.masked_fill_(ranks >= k, 0.0)
+            kth = torch.zeros(num_rows, device=device)
+            kth[k_rows] = candidates[[row_of[i] for i in k_rows], [top_k[i] - 1 for i in k_rows]]
+            weights.masked_fill_(weights < kth.unsqueeze(1), 0.0)
+        if nucleus_rows:
+            mass = block_sums(weights if len(nucleus_rows) == num_rows else weights[nucleus_rows]).sum(dim=-1)
+            wanted = mass * torch.tensor([params[i].top_p for i in nucleus_rows], device=device, dtype=torch.float64)
+            cumulative = candidates[[row_of[i] for i in nucleus_rows]].double().cumsum(dim=-1)
+            reached = cumulative[:, -1] >= wanted
+            # The token whose cumulative mass first reaches top_p is kept; everything lighter goes.
+            crossing = (cumulative < wanted.unsqueeze(1)).sum(dim=-1).clamp_(max=num_candidates - 1)
+            thresholds = candidates[[row_of[i] for i in nucleus_rows]].gather(1, crossing.unsqueeze(1)).squeeze(1)
+            floors[nucleus_rows] = torch.where(
+                reached, torch.maximum(floors[nucleus_rows], thresholds), floors[nucleus_rows]
+            )
+            undecided = [row for row, done in zip(nucleus_rows, reached.tolist()) if not done]
+            targets = wanted[~reached]
+    if bool((floors > 0).any()):
+        weights.masked_fill_(weights < floors.unsqueeze(1), 0.0)
+    return undecided, targets
+
+
+def block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of consecutive BLOCK-token blocks of each row (the last may be shorter).
+
+    Each block is reduced on its own, so a row's sums never depend on the other rows."""
+    num_rows, vocab = weights.shape
+    num_full = vocab // BLOCK
+    parts = []
+    if num_full:
+        parts.append(weights[:, : num_full * BLOCK].view(num_rows, num_full, BLOCK).sum(dim=-1, dtype=torch.float64))
+    if vocab % BLOCK:
+        parts.append(weights[:, num_full * BLOCK :].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of non-negative `weights` (not normalized), by inverse CDF at `u` (float64 in [0, 1)).
+
+    Two levels: the block whose cumulative mass passes u × total, then the token inside it,
+    so only the block sums and one block per row are ever accumulated.
+    """
+    num_rows, vocab = weights.shape
+    device = weights.device
+    cdf = block_sums(weights).cumsum(dim=-1)
+    target = (u.to(device) * cdf[:, -1]).unsqueeze(1)
+    block = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+    before = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    columns = block * BLOCK + torch.arange(BLOCK, device=device)
+    inside = weights.gather(1, columns.clamp(max=vocab - 1)).double().masked_fill_(columns >= vocab, 0.0)
+    pick = torch.searchsorted(inside.cumsum(dim=-1), target - before, right=True).clamp_(max=BLOCK - 1)
+    # Rounding at a block's end can land past its last token: take the last one with weight.
+    last = ((inside > 0) * torch.arange(1, BLOCK + 1, device=device)).argmax(dim=-1, keepdim=True)
+    pick = torch.where(inside.gather(1, pick) > 0, pick, last)
+    return columns.gather(1, pick).squeeze(1)
+
+
+def _nucleus_by_rejection(
+    weights: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor, keys: list[int], positions: list[int]
+) -> torch.Tensor:
+    """Top-p for rows whose cut lies beyond the candidates (a flat distribution).
+
+    A token is in the nucleus when the mass of the tokens heavier than it is below the
+    target. Drawn from the row's weights, it is kept if inside; otherwise every token
+    as light as it (all outside the nucleus) is zeroed and the row draws again. What is
+    kept follows the nucleus distribution exactly, and with a flat distribution the
+    first draw is inside with probability about top_p.
+    """
+    result = tokens.clone()
+    active = torch.arange(len(tokens), device=weights.device)
+    for lane in range(1, MAX_REJECTION_ROUNDS + 1):
+        drawn = weights.gather(1, tokens.unsqueeze(1))
+        heavier = torch.where(weights > drawn, weights, 0.0).sum(dim=-1, dtype=torch.float64)
+        inside = heavier < targets
+        result[active[inside]] = tokens[inside]
+        outside = ~inside
+        if not bool(outside.any()):
+            return result
+        active, weights, targets, drawn = active[outside], weights[outside], targets[outside], drawn[outside]
+        weights.masked_fill_(weights <= drawn, 0.0)
+        left = active.tolist()
+        tokens = draw(weights, uniforms([keys[i] for i in left], [positions[i] for i in left], lane))
+    left = active.tolist()
+    cut = _cut_by_sort(weights, targets)
+    result[active] = draw(cut, uniforms([keys[i] for i in left], [positions[i] for i in left], lane + 1))
+    return result
+
+
+def _cut_by_sort(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Rows of `weights` with the tokens outside their top-p nucleus zeroed, found by a full sort."""
+    ordered = weights.sort(dim=-1, descending=True).values
+    cumulative = ordered.double().cumsum(dim=-1)
+    crossing = (cumulative < targets.unsqueeze(1)).sum(dim=-1).clamp_(max=weights.shape[1] - 1)
+    thresholds = ordered.gather(1, crossing.unsqueeze(1))
+    return weights.masked_fill(weights < thresholds, 0.0)
 
 
 def apply_penalties(
@@ -89,34 +281,6 @@ def apply_penalties(
             ids, biases = zip(*params.logit_bias)
             values[list(ids)] += torch.tensor(biases, dtype=values.dtype, device=device)
     return logits
-
-
-def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Softmax after temperature, top-k, top-p and min-p, per row."""
-    device = logits.device
-    temperature = torch.tensor([r.params.temperature for r in requests], device=device).unsqueeze(1)
-    logits = logits / temperature
-    top_k = [r.params.top_k for r in requests]
-    top_p = [r.params.top_p for r in requests]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=device).unsqueeze(1)
-        ranks = torch.arange(vocab, device=device).unsqueeze(0)
-        drop = ranks >= k
-        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= mass_before >= torch.tensor(top_p, device=device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    min_p = [r.params.min_p for r in requests]
-    if any(min_p):
-        floor = torch.tensor(min_p, device=device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < floor, 0.0)
-        probs /= probs.sum(dim=-1, keepdim=True)
-    return probs
 
 
 def token_logprobs(

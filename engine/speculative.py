@@ -22,6 +22,7 @@ from engine.kv_cache import BlockManager
 from engine.model import PagedCausalLM
 from engine.model_runner import Logits, ModelRunner, Segment
 from engine.request import Request
+from engine.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
 from engine.sampler import TokenLogprob, apply_penalties, draw, probabilities, token_logprobs
 
 
@@ -98,8 +99,12 @@ class DraftProposer:
             chosen = processed.argmax(dim=-1).tolist()
             sampled = [i for i, r in enumerate(active) if not r.params.greedy]
             if sampled:
-                q = probabilities(processed[sampled], [active[i] for i in sampled])
-                for j, (i, token_id) in enumerate(zip(sampled, draw(q, [active[i].generator for i in sampled]))):
+                drawing = [active[i] for i in sampled]
+                q = probabilities(processed[sampled], drawing)
+                u = uniforms(
+                    [r.rng_key for r in drawing], [r.num_tokens + len(drafts[id(r)]) for r in drawing], LANE_DRAFT
+                )
+                for j, (i, token_id) in enumerate(zip(sampled, draw(q, u).tolist())):
                     chosen[i] = token_id
                     probs[id(active[i])].append(q[j])
             next_segments = []
@@ -160,7 +165,7 @@ def verify(requests: Sequence[Request], proposals: Sequence[Proposal], logits: t
                 break
         else:
             row = first + len(proposal.token_ids)
-            bonus = targets[row] if request.params.greedy else draw(probs[prob_row[row]][None], [request.generator])[0]
+            bonus = targets[row] if request.params.greedy else _draw_one(probs[prob_row[row]], request, row - first, 0)
             kept.append(bonus)
         num_accepted = len(kept) - 1
         used = range(first, first + len(kept))
@@ -175,7 +180,7 @@ def _accept_or_resample(target: torch.Tensor, token_id: int, proposal: Proposal,
     draft = proposal.draft_probs[i] if proposal.draft_probs is not None else None
     q = float(draft[token_id]) if draft is not None else 1.0
     p = float(target[token_id])
-    if float(torch.rand(1, generator=request.generator)) * q < p:
+    if uniform(request.rng_key, request.num_tokens + i, LANE_ACCEPT) * q < p:
         return token_id
     if draft is None:
         residual = target.clone()
@@ -184,4 +189,9 @@ def _accept_or_resample(target: torch.Tensor, token_id: int, proposal: Proposal,
         residual = (target - draft).clamp_(min=0.0)
     if float(residual.sum()) <= 0.0:
         residual = target
-    return draw(residual[None], [request.generator])[0]
+    return _draw_one(residual, request, i, LANE_RESIDUAL)
+
+
+def _draw_one(probs: torch.Tensor, request: Request, offset: int, lane: int) -> int:
+    """A draw from `probs` for the token `offset` places past the request's last one."""
+    return int(draw(probs[None], uniforms([request.rng_key], [request.num_tokens + offset], lane))[0])

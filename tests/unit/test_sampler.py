@@ -3,7 +3,7 @@ import math
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sampler import sample
+from engine.sampler import BLOCK, Sampler
 from tests.unit.helpers import make_request
 
 
@@ -11,6 +11,10 @@ def request(output: tuple[int, ...] = (), **params) -> Request:
     made = make_request(prompt_len=1, params=SamplingParams(max_tokens=4, **params))
     made.token_ids.extend(output)
     return made
+
+
+def sample(requests: list[Request], logits: torch.Tensor):
+    return Sampler().sample(requests, logits)
 
 
 def tokens(requests: list[Request], logits: torch.Tensor) -> list[int]:
@@ -40,27 +44,88 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert tokens([request(temperature=1.0, min_p=0.999, seed=i) for i in range(8)], logits) == expected
 
 
-def test_samples_follow_the_softmax_distribution():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    r = request(temperature=1.0, seed=0)
-    counts = torch.zeros(3)
-    for _ in range(4000):
+def frequencies(params: dict, logits: torch.Tensor, trials: int = 4000) -> torch.Tensor:
+    """Token counts over `trials` draws of one row, each with a fresh key (a draw is a function
+    of the request's key and position, so repeating one request repeats its token)."""
+    r = request(**params)
+    keys = list(range(trials))
+    counts = torch.zeros(logits.shape[1])
+    for key in keys:
+        r.rng_key = key
         counts[tokens([r], logits)[0]] += 1
-    freq = counts / counts.sum()
-    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+    return counts
 
 
-def test_top_k_never_picks_outside_the_k_best():
-    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    r = request(temperature=2.0, top_k=2, seed=1)
-    assert {tokens([r], logits)[0] for _ in range(300)} == {0, 1}
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# 0.1% critical values of chi-square by degrees of freedom.
+CRITICAL = {2: 13.8, 3: 16.3, 4: 18.5, 5: 20.5, 6: 22.5}
+
+
+def test_samples_follow_the_tempered_softmax():
+    logits = torch.log(torch.tensor([[0.35, 0.25, 0.2, 0.1, 0.06, 0.04]]))
+    expected = (logits[0] / 0.7).softmax(-1)
+    assert chi_square(frequencies(dict(temperature=0.7), logits), expected) < CRITICAL[5]
+
+
+def test_top_k_keeps_the_k_best_renormalized():
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.05, 0.25, 0.2]]))
+    expected = torch.tensor([0.0, 0.4, 0.0, 0.25, 0.2]) / 0.85
+    assert chi_square(frequencies(dict(temperature=1.0, top_k=3), logits), expected) < CRITICAL[2]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # Sorted 0.4, 0.25, 0.2, 0.1, 0.05: mass before 0.1 is 0.85 >= 0.8, so 0.1 and 0.05 go.
+    logits = torch.log(torch.tensor([[0.1, 0.4, 0.05, 0.25, 0.2]]))
+    expected = torch.tensor([0.0, 0.4, 0.0, 0.25, 0.2]) / 0.85
+    assert chi_square(frequencies(dict(temperature=1.0, top_p=0.8), logits), expected) < CRITICAL[2]
+
+
+def test_top_p_on_a_flat_distribution_past_the_candidates_is_exact():
+    # 1,000 tokens in 5 tiers: the candidates (the best 64) cannot reach 0.7 of the mass, so the
+    # nucleus is found by rejection; tiers, not tokens, are counted.
+    tiers = torch.arange(1000) // 200
+    weights = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])[tiers]
+    logits = weights.log().unsqueeze(0)
+    probs = weights / weights.sum()
+    # Tier masses 1/3, 4/15, 1/5, 2/15, 1/15: top_p 0.7 keeps tiers 0-2 (mass before tier 2 is 0.6).
+    expected = torch.tensor([5.0, 4.0, 3.0]) / 12
+    counts = frequencies(dict(temperature=1.0, top_p=0.7), logits, trials=3000)
+    by_tier = torch.zeros(5).index_add_(0, tiers, counts)
+    assert by_tier[3:].sum() == 0
+    assert chi_square(by_tier[:3], expected) < CRITICAL[2]
+    assert probs[tiers < 3].sum() > 0.7
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_best():
     # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.2 keeps tokens at >= 0.1.
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    r = request(temperature=1.0, min_p=0.2, seed=3)
-    assert {tokens([r], logits)[0] for _ in range(400)} == {0, 1, 2}
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert chi_square(frequencies(dict(temperature=1.0, min_p=0.2), logits), expected) < CRITICAL[2]
+
+
+def test_a_draw_over_a_vocabulary_of_partial_blocks_is_exact():
+    # 700 tokens: two full blocks of 256 and a short one; mass spread over all three.
+    probs = torch.rand(700, generator=torch.Generator().manual_seed(0)) ** 4
+    probs /= probs.sum()
+    blocks = torch.arange(700) // BLOCK
+    counts = torch.zeros(3).index_add_(0, blocks, frequencies(dict(temperature=1.0), probs.log()[None], 3000))
+    assert chi_square(counts, torch.zeros(3).index_add_(0, blocks, probs)) < CRITICAL[2]
+
+
+def test_seeded_draws_are_the_same_in_any_batch():
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(1))
+    settings = [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=1.3, top_k=50, min_p=0.05)]
+    for params in settings:
+        alone = tokens([request(seed=42, **params)], logits)[0]
+        others = torch.randn(63, 49152)
+        batch = [request(seed=s, **settings[s % 3]) for s in range(63)] + [request(seed=42, **params)]
+        assert tokens(batch, torch.cat([others, logits]))[-1] == alone
 
 
 def test_logit_bias_can_force_or_forbid_a_token():

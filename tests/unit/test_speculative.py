@@ -95,7 +95,9 @@ def test_rejection_sampling_follows_the_target_distribution(draft):
     q = torch.tensor([0.50, 0.10, 0.10, 0.10, 0.10, 0.10])
     proposal_rng = torch.Generator().manual_seed(99)
     first, second = torch.zeros(6), torch.zeros(6)
-    for _ in range(8000):
+    for i in range(8000):
+        # A fresh key per trial: draws are keyed by (request, position), and both stay put here.
+        request.rng_key = i
         if draft == "point mass":
             proposal = Proposal([0])  # token 0 is unlikely under the target: mostly rejected
         else:

@@ -1,0 +1,314 @@
+"""Host cost per token: the raw forward, the engine and HTTP on a model whose forward is almost free.
+
+    python bench/hostcost.py                                     # 1, 64, 256, 512 streams, greedy
+    python bench/hostcost.py --temperature 0.7 --top-p 0.9 --concurrency 256
+    python bench/hostcost.py --flags "--stream-interval 16" --no-http
+
+The model is a random-weight Llama (hidden 64, 2 layers, 4 heads) with the default model's
+tokenizer and its 49,152-token vocabulary, made once under `--cache-dir`: the forward then
+costs little, and what is left is what the process does per step and per token.
+
+At each level every request is submitted at once and runs to `--max-tokens` (ignore_eos).
+All three layers count **steady-state decode tokens/s** the same way: from the moment
+every request has its first token until the first one finishes, so the batch is at full
+width throughout and prefill is left out (its cost shows as TTFT p50, reported apart).
+
+- `raw`: the paged forward plus a greedy argmax over the whole batch; no scheduler, no streams.
+- `engine`: the Engine in process, requests submitted straight into it; the engine thread's
+  time per part of the step (schedule, forward, sample, output, bridge) is reported too.
+- `http`: a Sluice server with the same flags, driven by a minimal asyncio client that
+  counts SSE chunks (and reads the token count from the usage chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shlex
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+from pydantic_settings import CliApp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from app.settings import Settings  # noqa: E402
+from app.state import ServerState, build_state  # noqa: E402
+from bench import serve  # noqa: E402
+from bench.engine import prompt_ids, raw_forward  # noqa: E402
+from engine.channel import StreamChannel  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+DEFAULT_CACHE = Path.home() / ".cache" / "sluice"
+
+
+def tiny_model_folder(cache_dir: Path) -> Path:
+    """A random-weight Llama with the default model's tokenizer, saved once and reused."""
+    folder = cache_dir / "tiny-llama-hostcost"
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from engine.loader import convert_gguf, default_model_gguf
+
+    tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_gguf(), cache_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    staging = folder.with_name(folder.name + ".partial")
+    LlamaForCausalLM(config).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(folder)
+    return folder
+
+
+def steady_rate(arrivals: list[list[tuple[float, int]]]) -> float:
+    """Tokens/s while every request is past its first token and none has finished."""
+    start = max(a[0][0] for a in arrivals)
+    end = min(a[-1][0] for a in arrivals)
+    if end <= start:
+        return 0.0
+    tokens = sum(n for a in arrivals for t, n in a if start < t <= end)
+    return tokens / (end - start)
+
+
+class StepProfile:
+    """Wall time the engine thread spends in each part of a step, by wrapping the methods."""
+
+    PARTS = {
+        "schedule": ("scheduler", "schedule"),
+        "forward": ("runner", "execute"),
+        "sample": (None, "_sample"),
+        "output": ("output", "emit"),
+        "bridge": ("output", "flush"),
+    }
+
+    def __init__(self, engine) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        # Steps of the level being measured, set by its runner.
+        self.steps = 0
+        self._wrap(engine, "step", "step")
+        for part, (owner, name) in self.PARTS.items():
+            target = engine if owner is None else getattr(engine, owner)
+            if hasattr(target, name):
+                self._wrap(target, name, part)
+
+    def _wrap(self, target, name: str, part: str) -> None:
+        method = getattr(target, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+
+        setattr(target, name, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+    def shares(self) -> dict[str, float]:
+        step = self.seconds.get("step", 0.0)
+        if not step:
+            return {}
+        shares = {part: round(self.seconds.get(part, 0.0) / step, 3) for part in self.PARTS}
+        shares["other"] = round(1 - sum(shares.values()), 3)
+        shares["step_ms"] = round(1000 * step / max(1, self.steps), 2)
+        return shares
+
+
+async def engine_level(state: ServerState, profile: StepProfile, concurrency: int, args) -> dict:
+    loop = asyncio.get_running_loop()
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, ignore_eos=True, seed=None
+    )
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(concurrency)]
+    starts: list[float] = []
+
+    async def one(index: int) -> None:
+        channel = StreamChannel(loop, num_choices=1)
+        starts.append(time.perf_counter())
+        state.engine.submit(f"host-{index}", prompt_ids(state, index), params, channel)
+        async for chunk in channel:
+            if chunk.token_ids:
+                arrivals[index].append((time.perf_counter(), len(chunk.token_ids)))
+
+    profile.reset()
+    steps_before = state.engine.stats.num_steps
+    await asyncio.gather(*[one(i) for i in range(concurrency)])
+    profile.steps = state.engine.stats.num_steps - steps_before
+    ttfts = sorted(a[0][0] - s for a, s in zip(arrivals, starts))
+    return {
+        "engine_tokens_per_s": round(steady_rate(arrivals), 1),
+        "engine_ttft_p50_s": serve.rounded(serve.percentile(ttfts, 0.5)),
+        "engine_step_shares": profile.shares(),
+    }
+
+
+# A content delta (the role chunk and the finish chunk carry no token).
+CHUNK = re.compile(rb'"delta":\{"content"')
+USAGE = re.compile(rb'"completion_tokens":(\d+)')
+
+
+async def http_one(host: str, port: int, body: bytes) -> tuple[float, list[tuple[float, int]], int]:
+    """One streamed request over a bare asyncio connection: (sent, [(time, chunks)], tokens)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    sent = time.perf_counter()
+    writer.write(head + body)
+    arrivals: list[tuple[float, int]] = []
+    tail = b""
+    while data := await reader.read(65536):
+        now = time.perf_counter()
+        # An event may straddle two reads; match over the joint.
+        window = tail + data
+        count = len(CHUNK.findall(window)) - len(CHUNK.findall(tail))
+        if count:
+            arrivals.append((now, count))
+        tail = window[-64:]
+        if b"[DONE]" in window:
+            usage = USAGE.findall(window)
+            break
+    writer.close()
+    tokens = int(usage[-1]) if usage else 0
+    return sent, arrivals, tokens
+
+
+async def http_level(base: str, concurrency: int, args) -> dict:
+    url = urlsplit(base)
+    results = await asyncio.gather(
+        *[
+            http_one(
+                url.hostname,
+                url.port,
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": serve.PROMPTS[i % len(serve.PROMPTS)]}],
+                        "max_tokens": args.max_tokens,
+                        "temperature": args.temperature,
+                        "top_p": args.top_p,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    }
+                ).encode(),
+            )
+            for i in range(concurrency)
+        ]
+    )
+    # A lagging reader gets merged chunks: scale each request's chunk counts to its token count.
+    scaled = []
+    for _, arrivals, tokens in results:
+        chunks = sum(n for _, n in arrivals)
+        scale = tokens / chunks if chunks > 0 else 1.0
+        scaled.append([(t, n * scale) for t, n in arrivals])
+    ttfts = sorted(a[0][0] - sent for (sent, a, _) in results if a)
+    return {
+        "http_tokens_per_s": round(steady_rate(scaled), 1),
+        "http_ttft_p50_s": serve.rounded(serve.percentile(ttfts, 0.5)),
+    }
+
+
+def run_in_process(args, settings: Settings) -> dict[int, dict]:
+    """Raw and engine figures per level; every torch op on one thread, as in the server."""
+    ready: dict[str, object] = {}
+    started = threading.Event()
+
+    def torch_thread() -> None:
+        try:
+            state = build_state(settings)
+            ready["raw"] = {c: raw_forward(state, c, args.max_tokens) for c in args.concurrency}
+            ready["state"] = state
+            ready["profile"] = StepProfile(state.engine)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            ready["error"] = exc
+            started.set()
+            return
+        state.engine.run(on_running=started.set)
+
+    threading.Thread(target=torch_thread, name="bench-engine", daemon=True).start()
+    started.wait()
+    if "error" in ready:
+        raise ready["error"]
+    state = ready["state"]
+    results = {}
+    try:
+        for concurrency in args.concurrency:
+            results[concurrency] = {"raw_tokens_per_s": round(ready["raw"][concurrency], 1)}
+            results[concurrency] |= asyncio.run(engine_level(state, ready["profile"], concurrency, args))
+            print(concurrency, json.dumps(results[concurrency]), flush=True)
+    finally:
+        state.engine.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flags", default="", help="extra Sluice flags for the engine and the server")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256, 512])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--no-http", action="store_true")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--out", default="bench/results/hostcost.json")
+    args = parser.parse_args()
+
+    folder = tiny_model_folder(args.cache_dir)
+    seats = max(args.concurrency)
+    flags = f"--model {folder} --max-num-seqs {seats} --max-num-batched-tokens 4096 {args.flags}"
+    settings = CliApp.run(Settings, cli_args=shlex.split(flags))
+    torch.set_grad_enabled(False)
+    results = run_in_process(args, settings)
+    if not args.no_http:
+        proc, base = serve.spawn(flags)
+        try:
+            for concurrency in args.concurrency:
+                results[concurrency] |= asyncio.run(http_level(base, concurrency, args))
+                print(concurrency, json.dumps(results[concurrency]), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    print(f"\n`python {' '.join(sys.argv)}`\n")
+    print("| streams | raw tok/s | engine tok/s | engine / raw | HTTP tok/s | HTTP / engine | engine TTFT p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for concurrency, r in results.items():
+        raw, engine, http = r["raw_tokens_per_s"], r["engine_tokens_per_s"], r.get("http_tokens_per_s")
+        http_cells = f"{http} | {http / engine:.2f}" if http else "- | -"
+        print(f"| {concurrency} | {raw} | {engine} | {engine / raw:.2f} | {http_cells} | {r['engine_ttft_p50_s']} s |")
+    print("\n| streams | step ms | " + " | ".join(StepProfile.PARTS) + " | other |")
+    print("|---|---|" + "---|" * (len(StepProfile.PARTS) + 1))
+    for concurrency, r in results.items():
+        shares = r["engine_step_shares"]
+        cells = " | ".join(f"{100 * shares.get(p, 0):.0f}%" for p in [*StepProfile.PARTS, "other"])
+        print(f"| {concurrency} | {shares.get('step_ms')} | {cells} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
