@@ -12,6 +12,7 @@ from app.protocol import ServingLimits
 from app.resumable import StreamRegistry
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
+from engine.host_memory import keep_freed_memory
 from engine.loader import LoadedModel, load_model
 from engine.model import PagedCausalLM
 
@@ -67,6 +68,7 @@ def _speculative_config(settings: Settings) -> SpeculativeConfig | None:
 
 
 def build_state(settings: Settings) -> ServerState:
+    keep_freed_memory()
     loaded = load_model(settings.model, settings.cache_dir, settings.device, settings.dtype, settings.int4_max_tokens)
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)

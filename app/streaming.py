@@ -300,10 +300,21 @@ def sse_event(event_id: int, data: str) -> bytes:
     return f"id: {event_id}\ndata: {data}\n\n".encode()
 
 
+class _EventSourceResponse(EventSourceResponse):
+    """sse-starlette's response, minus a cancel scope around every send when no send timeout is
+    set: that scope cost about a sixth of the event loop's time per event under load."""
+
+    async def _send_with_timeout(self, send, message) -> None:
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
+
+
 def event_stream(events: AsyncIterator[bytes], keepalive_seconds: float) -> EventSourceResponse:
     """The SSE response, returned before the first token exists; a comment every
     `keepalive_seconds` keeps proxies from closing a quiet stream."""
-    return EventSourceResponse(
+    return _EventSourceResponse(
         events,
         ping=keepalive_seconds,
         sep="\n",

@@ -126,7 +126,8 @@ class StepProfile:
         self.seconds.clear()
 
     def shares(self) -> dict[str, float]:
-        step = self.seconds.get("step", 0.0)
+        # The engine flushes the step's chunks after step() returns: a step's time is both.
+        step = self.seconds.get("step", 0.0) + self.seconds.get("bridge", 0.0)
         if not step:
             return {}
         shares = {part: round(self.seconds.get(part, 0.0) / step, 3) for part in self.PARTS}
@@ -179,6 +180,7 @@ async def http_one(host: str, port: int, body: bytes) -> tuple[float, list[tuple
     writer.write(head + body)
     arrivals: list[tuple[float, int]] = []
     tail = b""
+    usage: list[bytes] = []
     while data := await reader.read(65536):
         now = time.perf_counter()
         # An event may straddle two reads; match over the joint.
@@ -187,8 +189,8 @@ async def http_one(host: str, port: int, body: bytes) -> tuple[float, list[tuple
         if count:
             arrivals.append((now, count))
         tail = window[-64:]
+        usage += USAGE.findall(window)
         if b"[DONE]" in window:
-            usage = USAGE.findall(window)
             break
     writer.close()
     tokens = int(usage[-1]) if usage else 0

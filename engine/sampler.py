@@ -3,10 +3,10 @@
 What a row costs follows what it asks for. Greedy rows take an argmax and nothing
 else. Sampled rows take one pass of exp over the vocabulary and an inverse-CDF draw
 in two levels (the block of 256 tokens, then the token inside it), never a sort of
-the vocabulary: top-k and top-p cut at a threshold found among a small candidate set
-(`topk`), and the top-p rows whose candidates hold less than top_p of the mass (flat
-distributions) sample by rejection: draw, keep the token if it lies inside the
-nucleus, otherwise raise the floor past it and draw again. Every path is exact.
+the vocabulary: top-k cuts at the k-th largest weight (`topk`), min-p at a floor, and
+top-p by rejection: a token drawn from the row is kept if the mass heavier than it
+is below top_p, otherwise the floor rises past it and the row draws again. Every
+path is exact.
 
 Each draw is a counter-based uniform keyed by the request and the token's position
 (engine/draws.py), and every per-row reduction runs in an order fixed by the row
@@ -23,11 +23,9 @@ import torch
 from engine.draws import uniforms
 from engine.request import Request
 
-# Top-k / top-p candidates taken per row before the exact cut inside them.
-NUM_CANDIDATES = 64
 # Tokens per block of the two-level draw.
 BLOCK = 256
-# Rounds of the top-p rejection loop before the few rows still undecided are sorted.
+# Rounds of the top-p rejection loop before the rows still undecided (rare) are sorted.
 MAX_REJECTION_ROUNDS = 16
 
 
@@ -93,15 +91,16 @@ def sample_rows(
     """A token per row drawn from its truncated distribution; the draws are keyed by (request, position)."""
     keys = [r.rng_key for r in requests]
     weights = _weights(logits, requests, out)
-    undecided, targets = truncate(weights, requests)
+    nucleus_rows, targets = truncate(weights, requests)
     tokens = draw(weights, uniforms(keys, positions))
-    if undecided:
-        tokens[undecided] = _nucleus_by_rejection(
-            weights[undecided],
+    if nucleus_rows:
+        every_row = len(nucleus_rows) == len(requests)
+        tokens[nucleus_rows] = _nucleus_by_rejection(
+            weights if every_row else weights[nucleus_rows],
             targets,
-            tokens[undecided],
-            [keys[i] for i in undecided],
-            [positions[i] for i in undecided],
+            tokens if every_row else tokens[nucleus_rows],
+            [keys[i] for i in nucleus_rows],
+            [positions[i] for i in nucleus_rows],
         )
     return tokens
 
@@ -110,9 +109,9 @@ def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Te
     """Normalized probabilities after temperature, top-k, top-p and min-p, per row (for
     speculative decoding, which needs whole distributions)."""
     weights = _weights(logits, requests)
-    undecided, targets = truncate(weights, requests)
-    if undecided:
-        weights[undecided] = _cut_by_sort(weights[undecided], targets)
+    nucleus_rows, targets = truncate(weights, requests)
+    if nucleus_rows:
+        weights[nucleus_rows] = _cut_by_sort(weights[nucleus_rows], targets)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
@@ -126,51 +125,36 @@ def _weights(logits: torch.Tensor, requests: Sequence[Request], out: torch.Tenso
 
 
 def truncate(weights: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], torch.Tensor]:
-    """Zero, in place, the tokens that top-k, top-p and min-p drop (in that order, as vLLM).
+    """Zero, in place, the tokens that top-k and min-p drop, and return the top-p rows with the
+    mass their nucleus must reach (top_p x their mass after top-k).
 
-    Returns the rows whose top-p cut lies beyond their candidates, with the mass their
-    nucleus must reach: those rows are truncated by top-k and min-p only, and the
-    caller finds the nucleus (by rejection, or by sorting).
+    Top-k cuts at the k-th largest weight (`topk` of the largest k asked for). Top-p is
+    left to the caller, who finds each row's nucleus by rejection (or by sorting), since
+    a nucleus can hold most of the vocabulary. The order is vLLM's: top-k, top-p, min-p;
+    min-p's floor (min_p of the best token's weight, which is 1) only removes tokens
+    lighter than every token a nucleus decision looks at, so it is applied here at once.
     """
     params = [r.params for r in requests]
     num_rows, vocab = weights.shape
     device = weights.device
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    k_rows = [i for i in range(num_rows) if top_k[i]]
+    if k_rows:
+        selected = weights if len(k_rows) == num_rows else weights[k_rows]
+        largest = selected.topk(max(top_k), dim=-1).values
+        kth = torch.zeros(num_rows, device=device)
+        kth[k_rows] = largest[torch.arange(len(k_rows), device=device), [top_k[i] - 1 for i in k_rows]]
+        weights.masked_fill_(weights < kth.unsqueeze(1), 0.0)
     nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    floors = torch.tensor([p.min_p for p in params], device=device)
-    undecided: list[int] = []
     targets = torch.empty(0, device=device, dtype=torch.float64)
-    cut_rows = [i for i in range(num_rows) if top_k[i] or params[i].top_p < 1.0]
-    if cut_rows:
-        # Sorted, largest first; all of a row's top-k tokens, and at least NUM_CANDIDATES.
-        num_candidates = min(vocab, max(NUM_CANDIDATES if nucleus_rows else 0, max(top_k)))
-        selected = weights if len(cut_rows) == num_rows else weights[cut_rows]
-        candidates = selected.topk(num_candidates, dim=-1).values
-        row_of = {row: j for j, row in enumerate(cut_rows)}
-        k_rows = [i for i in cut_rows if top_k[i]]
-        if k_rows:
-            ranks = torch.arange(num_candidates, device=device)
-            k = torch.tensor([top_k[i] or num_candidates for i in cut_rows], device=device).unsqueeze(1)
-            candidates.masked_fill_(ranks >= k, 0.0)
-            kth = torch.zeros(num_rows, device=device)
-            kth[k_rows] = candidates[[row_of[i] for i in k_rows], [top_k[i] - 1 for i in k_rows]]
-            weights.masked_fill_(weights < kth.unsqueeze(1), 0.0)
-        if nucleus_rows:
-            mass = block_sums(weights if len(nucleus_rows) == num_rows else weights[nucleus_rows]).sum(dim=-1)
-            wanted = mass * torch.tensor([params[i].top_p for i in nucleus_rows], device=device, dtype=torch.float64)
-            cumulative = candidates[[row_of[i] for i in nucleus_rows]].double().cumsum(dim=-1)
-            reached = cumulative[:, -1] >= wanted
-            # The token whose cumulative mass first reaches top_p is kept; everything lighter goes.
-            crossing = (cumulative < wanted.unsqueeze(1)).sum(dim=-1).clamp_(max=num_candidates - 1)
-            thresholds = candidates[[row_of[i] for i in nucleus_rows]].gather(1, crossing.unsqueeze(1)).squeeze(1)
-            floors[nucleus_rows] = torch.where(
-                reached, torch.maximum(floors[nucleus_rows], thresholds), floors[nucleus_rows]
-            )
-            undecided = [row for row, done in zip(nucleus_rows, reached.tolist()) if not done]
-            targets = wanted[~reached]
-    if bool((floors > 0).any()):
-        weights.masked_fill_(weights < floors.unsqueeze(1), 0.0)
-    return undecided, targets
+    if nucleus_rows:
+        selected = weights if len(nucleus_rows) == num_rows else weights[nucleus_rows]
+        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], device=device, dtype=torch.float64)
+        targets = block_sums(selected).sum(dim=-1) * top_p
+    if any(p.min_p > 0 for p in params):
+        floors = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        weights.masked_fill_(weights < floors, 0.0)
+    return nucleus_rows, targets
 
 
 def block_sums(weights: torch.Tensor) -> torch.Tensor:
@@ -211,19 +195,20 @@ def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _nucleus_by_rejection(
     weights: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor, keys: list[int], positions: list[int]
 ) -> torch.Tensor:
-    """Top-p for rows whose cut lies beyond the candidates (a flat distribution).
+    """Top-p without sorting: `tokens` were drawn from the rows' whole (top-k, min-p) weights.
 
     A token is in the nucleus when the mass of the tokens heavier than it is below the
-    target. Drawn from the row's weights, it is kept if inside; otherwise every token
-    as light as it (all outside the nucleus) is zeroed and the row draws again. What is
-    kept follows the nucleus distribution exactly, and with a flat distribution the
-    first draw is inside with probability about top_p.
+    target. A drawn token inside is kept; otherwise every token as light as it (all
+    outside the nucleus) is zeroed and the row draws again. What is kept follows the
+    nucleus distribution exactly, the first draw is inside with probability at least
+    top_p, and each later round only sees the rows still undecided. (FlashInfer's
+    sorting-free top-p sampling works the same way.)
     """
     result = tokens.clone()
     active = torch.arange(len(tokens), device=weights.device)
     for lane in range(1, MAX_REJECTION_ROUNDS + 1):
         drawn = weights.gather(1, tokens.unsqueeze(1))
-        heavier = torch.where(weights > drawn, weights, 0.0).sum(dim=-1, dtype=torch.float64)
+        heavier = block_sums(torch.where(weights > drawn, weights, 0.0)).sum(dim=-1)
         inside = heavier < targets
         result[active[inside]] = tokens[inside]
         outside = ~inside

@@ -18,11 +18,11 @@ from typing import Protocol
 
 import torch
 
+from engine.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
 from engine.kv_cache import BlockManager
 from engine.model import PagedCausalLM
 from engine.model_runner import Logits, ModelRunner, Segment
 from engine.request import Request
-from engine.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
 from engine.sampler import TokenLogprob, apply_penalties, draw, probabilities, token_logprobs
 
 

@@ -71,9 +71,10 @@ async def test_seeded_requests_match_alone_inside_64_mixed_requests(loaded):
             dict(temperature=0.7, min_p=0.1, top_p=0.95),
         ]
         requests = [
-            ([rng.randrange(1, 500) for _ in range(rng.randint(1, 30))], SamplingParams(
-                max_tokens=rng.randint(4, 16), seed=rng.choice([None, i]), **kinds[i % len(kinds)]
-            ))
+            (
+                [rng.randrange(1, 500) for _ in range(rng.randint(1, 30))],
+                SamplingParams(max_tokens=rng.randint(4, 16), seed=rng.choice([None, i]), **kinds[i % len(kinds)]),
+            )
             for i in range(64)
         ]
         watched = [i for i, (_, p) in enumerate(requests) if p.seed is not None or p.greedy]
