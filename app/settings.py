@@ -80,6 +80,29 @@ class Settings(BaseSettings):
     before its stream backs up to the engine."""
     resume_window_seconds: float = Field(30.0, gt=0)
     """How long a resumable stream waits for its client to come back before it is cancelled."""
+    shutdown_timeout: float = Field(25.0, ge=0)
+    """On SIGTERM or SIGINT, how long running requests may take to finish before they are ended with
+    an error event; new requests get 503 meanwhile. Keep it below Kubernetes'
+    terminationGracePeriodSeconds."""
+    api_key: list[str] = Field(default_factory=list)
+    """An API key clients must send as `Authorization: Bearer KEY` on every /v1 route (repeatable).
+    No key set: the server is open."""
+    api_key_file: Path | None = None
+    """A file of API keys, one per line (blank lines and lines starting with # ignored)."""
+    protect_metrics: bool = False
+    """Require an API key on /metrics too (/health and /health/live always stay open)."""
+    max_queue: int | None = Field(None, ge=0)
+    """Most requests waiting to be scheduled; beyond it new requests get 429 with Retry-After. Unset:
+    unbounded."""
+    max_request_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; larger ones get 413."""
+    max_tokens_limit: int | None = Field(None, ge=1)
+    """Caps every request's max_tokens (and its default); a request asking for more gets 400."""
+    audit_log: Path | None = None
+    """Append one JSON line per finished request to this file (`-` for stderr): who asked for what,
+    tokens, finish reason, latency. Off when unset."""
+    audit_log_content: bool = False
+    """Also record prompts and outputs in the audit log."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the server and the engine."""
     enable_fault_injection: bool = False

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request
 
+from app.accounting import Accounting, RequestContext
+from app.admission import Admission, load_api_keys
+from app.audit import AuditLog
 from app.errors import OpenAIError
+from app.metrics import Metrics
 from app.protocol import ServingLimits
 from app.resumable import StreamRegistry
 from app.settings import Settings
@@ -29,6 +34,46 @@ class ServerState:
     model_name: str
     limits: ServingLimits
     streams: StreamRegistry
+    api_keys: tuple[bytes, ...]
+    admission: Admission
+    metrics: Metrics
+    audit: AuditLog | None
+
+    def accounting_for(
+        self,
+        request: Request,
+        endpoint: str,
+        streamed: bool,
+        num_prompt_tokens: int,
+        num_choices: int,
+        prompt: Callable[[], object],
+    ) -> Callable[[str], Accounting]:
+        """What Generation.start calls with the completion id to account for this request; `prompt`
+        renders the prompt for the audit log, called only when it records content."""
+        client = request.client
+        context = RequestContext(
+            request_id=getattr(request.state, "request_id", "-"),
+            client=f"{client.host}:{client.port}" if client else None,
+            api_key_id=getattr(request.state, "api_key_id", None),
+            endpoint=endpoint,
+            streamed=streamed,
+        )
+
+        def start(completion_id: str) -> Accounting:
+            self.admission.started()
+            return Accounting(
+                self.metrics,
+                self.audit,
+                context,
+                self.model_name,
+                completion_id,
+                num_prompt_tokens,
+                num_choices,
+                prompt,
+                on_close=self.admission.finished,
+            )
+
+        return start
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, self.model_name, str(self.loaded.path)):
@@ -89,16 +134,23 @@ def build_state(settings: Settings) -> ServerState:
         speculative=_speculative_config(settings),
     )
     logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
+    engine = Engine(loaded, config, draft_model)
+    model_name = settings.served_model_name or loaded.name
     return ServerState(
         settings=settings,
         loaded=loaded,
-        engine=Engine(loaded, config, draft_model),
-        model_name=settings.served_model_name or loaded.name,
+        engine=engine,
+        model_name=model_name,
         limits=ServingLimits(
             max_model_len=max_model_len,
             vocab_size=loaded.model.vocab_size,
             max_num_seqs=settings.max_num_seqs,
             stream_interval=settings.stream_interval,
+            max_tokens_limit=settings.max_tokens_limit,
         ),
         streams=StreamRegistry(settings.resume_window_seconds),
+        api_keys=load_api_keys(settings),
+        admission=Admission(settings.max_queue, settings.max_num_seqs),
+        metrics=Metrics(model_name, lambda: engine.stats),
+        audit=AuditLog(settings.audit_log, settings.audit_log_content) if settings.audit_log else None,
     )

@@ -11,12 +11,13 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from sse_starlette import EventSourceResponse
 
+from app.accounting import Accounting
 from app.errors import OpenAIError, error_body
 from app.protocol import (
     ChatChoice,
@@ -73,6 +74,8 @@ class Generation:
     token_bytes: TokenBytes
     completion_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    # Metrics and the audit line; None where nobody accounts for the request (benchmarks).
+    accounting: Accounting | None = None
     # Per choice: a content chunk's JSON before and after its text.
     _text_templates: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -85,7 +88,9 @@ class Generation:
         prompt_token_ids: list[int],
         params: SamplingParams,
         include_usage: bool,
+        accounting: Callable[[str], Accounting] | None = None,
     ) -> Generation:
+        """Submit the request; `accounting`, given the completion id, makes its accounting."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         generation = cls(
             kind=kind,
@@ -98,6 +103,8 @@ class Generation:
             token_bytes=engine.token_bytes,
             completion_id=f"{prefix}-{uuid.uuid4().hex}",
         )
+        if accounting is not None:
+            generation.accounting = accounting(generation.completion_id)
         engine.submit(generation.completion_id, prompt_token_ids, params, generation.channel)
         return generation
 
@@ -106,11 +113,15 @@ class Generation:
         cancels the request in the engine."""
         completion_tokens = cached_tokens = 0
         text_offsets = [0] * self.num_choices
+        open_choices = self.num_choices
         try:
             if self.kind == "chat":
                 for index in range(self.num_choices):
                     yield self._chat_chunk(index, ChatDelta(role="assistant", content=""))
             async for chunk in self.channel:
+                if self.accounting is not None:
+                    self.accounting.on_chunk(chunk)
+                open_choices -= chunk.is_terminal
                 completion_tokens += len(chunk.token_ids)
                 if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
                     yield _error_json(chunk)
@@ -126,13 +137,19 @@ class Generation:
             yield DONE
         finally:
             self.channel.cancel()
+            if self.accounting is not None:
+                self.accounting.close(abandoned=open_choices > 0)
 
     async def fold(self) -> ChatCompletion | Completion:
         """The whole response at once: the same chunks, concatenated per choice."""
         choices = [_Choice() for _ in range(self.num_choices)]
         completion_tokens = 0
+        open_choices = self.num_choices
         try:
             async for chunk in self.channel:
+                if self.accounting is not None:
+                    self.accounting.on_chunk(chunk)
+                open_choices -= chunk.is_terminal
                 if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
                     raise OpenAIError(500, chunk.error or "the request was cancelled", code="engine_error")
                 completion_tokens += len(chunk.token_ids)
@@ -143,6 +160,8 @@ class Generation:
                     choice.finish_reason, choice.timings = chunk.finish_reason.value, chunk.timings
         finally:
             self.channel.cancel()
+            if self.accounting is not None:
+                self.accounting.close(abandoned=open_choices > 0)
         ids = {"id": self.completion_id, "created": self.created, "model": self.model}
         # The last choice to finish has seen the whole request through.
         last = max((c.timings for c in choices if c.timings), key=lambda t: t.ttft_ms + t.decode_ms, default=None)

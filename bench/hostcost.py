@@ -8,7 +8,8 @@ The model is a random-weight Llama (hidden 64, 2 layers, 4 heads) with the defau
 tokenizer and its 49,152-token vocabulary, made once under `--cache-dir`: the forward then
 costs little, and what is left is what the process does per step and per token.
 
-At each level every request is submitted at once and runs to `--max-tokens` (ignore_eos).
+At each level every request is submitted at once and runs to `--max-tokens` (ignore_eos); each
+level runs `--rounds` times (3) and the median round is reported.
 All three layers count **steady-state decode tokens/s** the same way: from the moment
 every request has its first token until the first one finishes, so the batch is at full
 width throughout and prefill is left out (its cost shows as TTFT p50, reported apart).
@@ -27,6 +28,7 @@ import asyncio
 import json
 import re
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -232,6 +234,12 @@ async def http_level(base: str, concurrency: int, args) -> dict:
     }
 
 
+def median_round(rounds: int, run) -> dict:
+    """The round with the median tokens/s of `rounds` runs of a level (short levels are noisy)."""
+    reports = sorted((run() for _ in range(rounds)), key=lambda r: next(v for k, v in r.items() if "tokens" in k))
+    return reports[len(reports) // 2]
+
+
 def run_in_process(args, settings: Settings) -> dict[int, dict]:
     """Raw and engine figures per level; every torch op on one thread, as in the server."""
     ready: dict[str, object] = {}
@@ -240,7 +248,10 @@ def run_in_process(args, settings: Settings) -> dict[int, dict]:
     def torch_thread() -> None:
         try:
             state = build_state(settings)
-            ready["raw"] = {c: raw_forward(state, c, args.max_tokens) for c in args.concurrency}
+            ready["raw"] = {
+                c: statistics.median(raw_forward(state, c, args.max_tokens) for _ in range(args.rounds))
+                for c in args.concurrency
+            }
             ready["state"] = state
             ready["profile"] = StepProfile(state.engine)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
@@ -258,7 +269,9 @@ def run_in_process(args, settings: Settings) -> dict[int, dict]:
     try:
         for concurrency in args.concurrency:
             results[concurrency] = {"raw_tokens_per_s": round(ready["raw"][concurrency], 1)}
-            results[concurrency] |= asyncio.run(engine_level(state, ready["profile"], concurrency, args))
+            results[concurrency] |= median_round(
+                args.rounds, lambda: asyncio.run(engine_level(state, ready["profile"], concurrency, args))
+            )
             print(concurrency, json.dumps(results[concurrency]), flush=True)
     finally:
         state.engine.shutdown()
@@ -270,6 +283,7 @@ def main() -> None:
     parser.add_argument("--flags", default="", help="extra Sluice flags for the engine and the server")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256, 512])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per level; the median is reported")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--no-http", action="store_true")
@@ -287,7 +301,9 @@ def main() -> None:
         proc, base = serve.spawn(flags)
         try:
             for concurrency in args.concurrency:
-                results[concurrency] |= asyncio.run(http_level(base, concurrency, args))
+                results[concurrency] |= median_round(
+                    args.rounds, lambda: asyncio.run(http_level(base, concurrency, args))
+                )
                 print(concurrency, json.dumps(results[concurrency]), flush=True)
         finally:
             proc.terminate()

@@ -30,6 +30,8 @@ class Timings:
     accepted_tokens: int = 0
     # Prompt tokens whose K/V came from the prefix cache.
     cached_tokens: int = 0
+    # Whether the request was ever paused for its reader.
+    paused: bool = False
 
     @property
     def decode_tokens_per_second(self) -> float:

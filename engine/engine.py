@@ -76,6 +76,13 @@ class _InjectedFault(RuntimeError):
 
 
 _FAULT = object()
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    message: str
+
+
 _SHUTDOWN_MESSAGE = "the engine is shutting down"
 
 
@@ -153,6 +160,10 @@ class Engine:
                 return
         self.output.end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
         self.output.flush()
+
+    def abort_all(self, message: str) -> None:
+        """End every request the engine holds now, at its next step, with an error chunk (drain timeout)."""
+        self._inbox.put(_AbortAll(message))
 
     def inject_fault(self) -> None:
         """Make the next step raise (for tests of the fault path)."""
@@ -355,6 +366,8 @@ class Engine:
             while True:
                 if item is _FAULT:
                     self._fault_pending = True
+                elif isinstance(item, _AbortAll):
+                    self._fail_all(item.message)
                 elif isinstance(item, Request):
                     self.scheduler.add(item)
                 item = self._inbox.get_nowait()

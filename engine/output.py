@@ -97,4 +97,5 @@ class OutputProcessor:
             draft_tokens=request.num_draft_tokens,
             accepted_tokens=request.num_accepted_tokens,
             cached_tokens=request.num_cached_tokens or 0,
+            paused=request.was_paused,
         )

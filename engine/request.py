@@ -123,6 +123,8 @@ class Request:
     num_accepted_tokens: int = 0
     # Tokens whose K/V the draft model holds (its cache shares this request's block table).
     num_draft_computed: int = 0
+    # Whether the scheduler ever paused this request for its reader (back-pressure).
+    was_paused: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -89,6 +89,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if request.channel.unread_tokens >= self.max_unread_tokens:
                 plan.num_paused += 1
+                request.was_paused = True
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, plan):

@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
+from app.admission import admit, require_api_key
 from app.prompting import chat_prompt_ids
 from app.protocol import ChatCompletion, ChatCompletionRequest
 from app.state import ServerState, get_state
 from app.streaming import Generation, event_stream
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, dependencies=[Depends(admit)])
 async def create_chat_completion(
-    body: ChatCompletionRequest, state: ServerState = Depends(get_state)
+    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
 ) -> EventSourceResponse | ChatCompletion:
     state.check_model(body.model)
     prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages)
     params = body.to_sampling_params(len(prompt_ids), state.limits)
-    generation = Generation.start(state.engine, "chat", state.model_name, prompt_ids, params, body.include_usage)
+    accounting = state.accounting_for(
+        request,
+        "/v1/chat/completions",
+        body.stream,
+        len(prompt_ids),
+        params.n,
+        lambda: [m.model_dump(exclude_none=True) for m in body.messages],
+    )
+    generation = Generation.start(
+        state.engine, "chat", state.model_name, prompt_ids, params, body.include_usage, accounting
+    )
     if not body.stream:
         return await generation.fold()
     events = state.streams.serve(generation, body.resumable)

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
+from app.admission import admit, require_api_key
 from app.prompting import text_prompt_ids
 from app.protocol import Completion, CompletionRequest
 from app.state import ServerState, get_state
 from app.streaming import Generation, event_stream
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, dependencies=[Depends(admit)])
 async def create_completion(
-    body: CompletionRequest, state: ServerState = Depends(get_state)
+    body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)
 ) -> EventSourceResponse | Completion:
     state.check_model(body.model)
-    prompt_ids = text_prompt_ids(state.loaded.tokenizer, body.single_prompt())
+    prompt = body.single_prompt()
+    prompt_ids = text_prompt_ids(state.loaded.tokenizer, prompt)
     params = body.to_sampling_params(len(prompt_ids), state.limits)
-    generation = Generation.start(state.engine, "text", state.model_name, prompt_ids, params, body.include_usage)
+    accounting = state.accounting_for(
+        request, "/v1/completions", body.stream, len(prompt_ids), params.n, lambda: prompt
+    )
+    generation = Generation.start(
+        state.engine, "text", state.model_name, prompt_ids, params, body.include_usage, accounting
+    )
     if not body.stream:
         return await generation.fold()
     events = state.streams.serve(generation, body.resumable)

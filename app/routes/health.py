@@ -1,10 +1,12 @@
-"""GET /health (200 while the engine serves, 503 otherwise) and the opt-in fault-injection hook."""
+"""GET /health (readiness), /health/live (liveness), /metrics (Prometheus) and the opt-in fault hook."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 
+from app.admission import authenticate
+from app.metrics import CONTENT_TYPE
 from app.state import ServerState, get_state
 
 router = APIRouter()
@@ -13,10 +15,12 @@ debug_router = APIRouter()
 
 @router.get("/health")
 async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
+    """Readiness: 200 while the engine serves and the server admits requests; 503 while draining."""
     stats = state.engine.stats
     alive = state.engine.alive
+    ready = alive and not state.admission.draining
     body = {
-        "status": "ok" if alive else "unavailable",
+        "status": "draining" if state.admission.draining else "ok" if alive else "unavailable",
         "model": state.model_name,
         "kv_blocks_used": stats.kv_blocks_used,
         "kv_blocks_total": stats.kv_blocks_total,
@@ -30,7 +34,22 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "prefix_cache_hit_tokens": stats.num_prefix_hit_tokens,
         "prefix_cache_hit_rate": round(stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens), 4),
     }
-    return JSONResponse(body, status_code=200 if alive else 503)
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/health/live")
+async def live(state: ServerState = Depends(get_state)) -> JSONResponse:
+    """Liveness: 200 while the engine thread runs, draining or not."""
+    alive = state.engine.alive
+    return JSONResponse({"status": "ok" if alive else "dead"}, status_code=200 if alive else 503)
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request, state: ServerState = Depends(get_state)) -> Response:
+    """Prometheus text format; behind the API key only with --protect-metrics."""
+    if state.settings.protect_metrics:
+        authenticate(request, state.api_keys)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 @debug_router.post("/debug/fault")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from app.admission import require_api_key
 from app.protocol import ModelCard, ModelList
 from app.state import ServerState, get_state
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.get("/v1/models")

@@ -5,11 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Header
 from sse_starlette import EventSourceResponse
 
+from app.admission import require_api_key
 from app.errors import OpenAIError
 from app.state import ServerState, get_state
 from app.streaming import event_stream
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.get("/v1/streams/{completion_id}", response_model=None)
@@ -36,6 +37,8 @@ async def resume_stream(
             f"Last-Event-ID must be an event id between 0 and {stream.num_events}, got {last_event_id!r}",
             param="Last-Event-ID",
         )
+    if stream.generation.accounting is not None:
+        stream.generation.accounting.resumed()
     return event_stream(stream.subscribe(after), state.settings.keepalive_seconds)
 
 

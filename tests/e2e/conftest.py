@@ -20,7 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(*flags: str):
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    """A server process with these flags, once /health answers 200."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", SLUICE_CACHE_DIR=str(CACHE_DIR))
     proc = subprocess.Popen(
@@ -37,6 +38,11 @@ def _serve(*flags: str):
             pass
         assert time.monotonic() < deadline, "server did not become healthy"
         time.sleep(0.3)
+    return proc, base
+
+
+def _serve(*flags: str):
+    proc, base = start_server(*flags)
     yield base
     proc.terminate()
     try:

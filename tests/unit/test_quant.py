@@ -99,9 +99,13 @@ async def test_int4_runs_decode_steps_within_the_threshold_and_never_prompt_toke
     assert set(step_sizes) == expected_sizes
 
 
-def test_int4_is_on_by_default_only_for_the_embedded_model_on_cpu():
+def test_int4_is_on_by_default_only_for_the_embedded_model_on_an_avx512_cpu(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert resolve_int4_max_tokens(None, default_model=True, device=cpu) == 16
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert resolve_int4_max_tokens(None, default_model=True, device=cpu) == 0
+    assert resolve_int4_max_tokens(8, default_model=True, device=cpu) == 8
     assert resolve_int4_max_tokens(None, default_model=False, device=cpu) == 0
     assert resolve_int4_max_tokens(3, default_model=False, device=cpu) == 3
     assert resolve_int4_max_tokens(None, default_model=True, device=cuda) == 0

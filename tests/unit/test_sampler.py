@@ -168,3 +168,10 @@ def test_logprobs_report_the_sampled_token_and_the_top_k():
     assert first.token_id == 1 and math.isclose(first.logprob, math.log(0.6), rel_tol=1e-5)
     assert [t for t, _ in first.top] == [1, 2]
     assert math.isclose(first.top[1][1], math.log(0.3), rel_tol=1e-5)
+
+
+def test_min_p_one_keeps_only_the_best_token_at_any_temperature():
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(5)) * 3
+    for temperature in (0.3, 1.5, 2.0):
+        requests = [request(temperature=temperature, min_p=1.0, seed=i) for i in range(16)]
+        assert tokens(requests, logits) == logits.argmax(-1).tolist()

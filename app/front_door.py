@@ -1,0 +1,118 @@
+"""The ASGI middleware every HTTP request passes: request id, body size limit, response counts.
+
+- **Request id.** An incoming `X-Request-Id` (up to 128 printable ASCII characters)
+  is kept, otherwise one is made; it is returned as a response header, set for
+  every log line of the request (`request_id` in the log format) and written to its
+  audit line.
+- **Body limit.** A body over `--max-request-bytes` gets 413 in OpenAI's shape, by its
+  Content-Length before anything is read; a chunked body is read here first, and refused as
+  soon as it passes the limit.
+- **Metrics.** Every response's status, by method and route, in `sluice:http_requests_total`.
+
+One pure ASGI layer rather than three: streamed events pass through its `send` too.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import uuid
+from collections.abc import Callable
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import OpenAIError, error_body
+from app.metrics import Metrics
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+_VALID_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+class RequestIdLogFilter(logging.Filter):
+    """Puts the current request's id on every log record (`-` outside a request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+class FrontDoor:
+    def __init__(self, app: ASGIApp, max_request_bytes: int, metrics: Callable[[], Metrics | None]) -> None:
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+        # The server's metrics once it has started (None before).
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        incoming = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = incoming if _VALID_ID.fullmatch(incoming) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            length = headers.get(b"content-length")
+            if length is not None:
+                if length.isdigit() and int(length) > self.max_request_bytes:
+                    await _send_error(send_with_id, _too_large(self.max_request_bytes))
+                    return
+            elif scope["method"] in ("POST", "PUT", "PATCH"):
+                # A chunked body: read it here, up to the limit, and hand it on whole.
+                receive = await self._buffered(receive)
+                if receive is None:
+                    await _send_error(send_with_id, _too_large(self.max_request_bytes))
+                    return
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
+            metrics = self.metrics()
+            if metrics is not None:
+                route = scope.get("route")
+                metrics.http_response(scope["method"], getattr(route, "path", None) or "unmatched", status)
+
+    async def _buffered(self, receive: Receive) -> Receive | None:
+        """`receive` with the whole body read ahead; None once it passes the limit."""
+        body, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_request_bytes:
+                return None
+            body.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(body), "more_body": False}
+                break
+        replay = [message]
+
+        async def replaying() -> Message:
+            return replay.pop() if replay else await receive()
+
+        return replaying
+
+
+def _too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than {limit} bytes (--max-request-bytes).")
+
+
+async def _send_error(send: Send, error: OpenAIError) -> None:
+    response = JSONResponse(error_body(error.status_code, error.message, error.param, error.code), error.status_code)
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,117 @@
+"""Prometheus metrics for GET /metrics, named as vLLM names them under a `sluice:` prefix.
+
+A vLLM dashboard ports by renaming `vllm:` to `sluice:`. Engine gauges and counters
+are read from the stats the engine thread publishes, at scrape time only: nothing
+is added to an engine step. Per-request histograms and counters are observed on
+the event loop from each choice's terminal timings; inter-token latency once per
+streamed chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.channel import Timings
+from engine.engine import EngineStats
+
+# vLLM's buckets, so the same dashboard panels and alerts apply.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _EngineCollector(Collector):
+    """Engine state at scrape time, from its last published stats."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        label = [self._model_name]
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("num_requests_paused", "Running requests paused for a slow reader.", stats.num_paused),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV-cache blocks in use.",
+                stats.kv_blocks_used / stats.kv_blocks_total,
+            ),
+        ):
+            gauge = GaugeMetricFamily(f"sluice:{name}", doc, labels=["model_name"])
+            gauge.add_metric(label, value)
+            yield gauge
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.num_prefix_query_tokens),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.num_prefix_hit_tokens),
+            ("num_preemptions", "Requests preempted to free KV blocks.", stats.num_preemptions),
+            ("spec_decode_num_draft_tokens", "Speculative tokens proposed.", stats.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", stats.num_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(f"sluice:{name}", doc, labels=["model_name"])
+            counter.add_metric(label, value)
+            yield counter
+
+
+class Metrics:
+    """Every collector of one server, in a registry of its own (several servers can share a process in tests)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"sluice:{name}", doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"sluice:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.").labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished choices.").labels(
+            model_name
+        )
+        self._request_success = counter("request_success", "Finished choices by finish reason.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS).labels(model_name)
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed chunks.", _ITL_BUCKETS).labels(
+            model_name
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS).labels(
+            model_name
+        )
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting to be scheduled.", _REQUEST_BUCKETS)
+        self.queue_time = self.queue_time.labels(model_name)
+        self._http = Counter(
+            "sluice:http_requests",
+            "HTTP responses by method, route and status.",
+            ["method", "handler", "status"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(model_name, stats))
+
+    def request_started(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def choice_finished(self, finish_reason: str, timings: Timings | None) -> None:
+        """One choice's terminal chunk: its reason, its tokens and where its time went."""
+        self._request_success.labels(self.model_name, finish_reason).inc()
+        if timings is None:
+            return
+        self.generation_tokens.inc(timings.completion_tokens)
+        self.queue_time.observe(timings.queue_ms / 1000)
+        if timings.completion_tokens:
+            self.ttft.observe(timings.ttft_ms / 1000)
+            self.e2e.observe((timings.ttft_ms + timings.decode_ms) / 1000)
+
+    def http_response(self, method: str, handler: str, status: int) -> None:
+        self._http.labels(method, handler, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,231 @@
+"""The production front door against real servers: drain on SIGTERM, metrics, API keys, admission
+control, request ids and the audit log, the OpenAPI document."""
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import start_server
+from tests.e2e.sse import parse_events
+
+pytestmark = pytest.mark.slow
+
+KEY, FILE_KEY = "sk-sluice-test", "sk-from-file"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def chat(content="Say something", max_tokens=16, **extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1))
+
+
+@pytest.fixture(scope="module")
+def door(tmp_path_factory, default_model_path):
+    """One server with every front-door setting on: keys (flag and file), protected metrics, a queue
+    bound, a body limit, a max_tokens cap and an audit log."""
+    folder = tmp_path_factory.mktemp("door")
+    (folder / "keys").write_text(f"# operators\n\n{FILE_KEY}\n")
+    audit = folder / "audit.jsonl"
+    proc, base = start_server(
+        "--api-key", KEY,
+        "--api-key-file", str(folder / "keys"),
+        "--protect-metrics",
+        "--max-queue", "2",
+        "--max-num-seqs", "2",
+        "--max-request-bytes", "4096",
+        "--max-tokens-limit", "64",
+        "--audit-log", str(audit),
+    )  # fmt: skip
+    yield base, proc, audit
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_api_keys_guard_every_v1_route_and_leave_health_open(door):
+    base, _, _ = door
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
+        response = httpx.post(f"{base}/v1/chat/completions", json=chat(), headers=headers, timeout=60)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    assert httpx.get(f"{base}/v1/models", headers=AUTH).status_code == 200
+    file_key = {"Authorization": f"Bearer {FILE_KEY}"}
+    assert httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=file_key).is_success
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/health/live").status_code == 200
+    assert httpx.get(f"{base}/metrics").status_code == 401
+    assert httpx.get(f"{base}/metrics", headers=AUTH).status_code == 200
+
+
+def test_request_ids_are_echoed_or_made_and_audited_without_content(door):
+    base, _, audit = door
+    mine = httpx.post(
+        f"{base}/v1/chat/completions", json=chat(max_tokens=5), headers={**AUTH, "X-Request-Id": "trace-42"}
+    )
+    assert mine.headers["x-request-id"] == "trace-42"
+    made = httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=5), headers=AUTH)
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    record = next(line for line in lines if line["request_id"] == "trace-42")
+    assert record["completion_id"] == mine.json()["id"]
+    assert record["endpoint"] == "/v1/chat/completions" and record["streamed"] is False
+    assert record["prompt_tokens"] == mine.json()["usage"]["prompt_tokens"]
+    assert record["completion_tokens"] == 5 and record["finish_reasons"] == ["length"]
+    assert record["api_key_id"] and KEY not in json.dumps(record)
+    assert "prompt" not in record and "output" not in record
+    assert record["client"].startswith("127.0.0.1:") and record["ttft_ms"] > 0 and not record["cancelled"]
+
+
+def test_oversized_bodies_get_413_and_the_server_stays_healthy(door):
+    base, _, _ = door
+    big = chat(content="x" * 5000)
+    response = httpx.post(f"{base}/v1/chat/completions", json=big, headers=AUTH)
+    assert response.status_code == 413 and response.json()["error"]["message"]
+
+    def chunked():
+        yield json.dumps(big).encode()
+
+    response = httpx.post(
+        f"{base}/v1/chat/completions", content=chunked(), headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=2), headers=AUTH).is_success
+
+
+def test_max_tokens_is_capped_by_the_operator(door):
+    base, _, _ = door
+    response = httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=65), headers=AUTH)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    body = chat()
+    del body["max_tokens"]
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    assert response.json()["usage"]["completion_tokens"] == 64
+
+
+def test_a_burst_past_the_queue_bound_gets_429_and_the_rest_completes(door):
+    base, proc, _ = door
+    httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=8), headers=AUTH)
+    idle = rss_kib(proc.pid)
+    results: list[httpx.Response] = []
+
+    def send():
+        results.append(httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=24), headers=AUTH, timeout=300))
+
+    threads = [threading.Thread(target=send) for _ in range(8)]  # 4x --max-queue
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    refused = [r for r in results if r.status_code == 429]
+    served = [r for r in results if r.status_code == 200]
+    assert refused and served and len(refused) + len(served) == 8
+    for response in refused:
+        assert response.json()["error"]["type"] == "rate_limit_error"
+        assert int(response.headers["retry-after"]) >= 1
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in served)
+    assert rss_kib(proc.pid) <= 1.2 * idle
+
+
+def test_metrics_count_a_known_workload(door):
+    base, _, _ = door
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base}/metrics", headers=AUTH).text
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("sluice:")
+        }
+
+    before = scrape()
+    prompt_tokens = 0
+    for max_tokens in (3, 5, 7):
+        body = chat(max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, headers=AUTH) as response:
+            events = parse_events(response.iter_lines())
+        prompt_tokens += events[-2].json()["usage"]["prompt_tokens"]
+    after = scrape()
+    model = httpx.get(f"{base}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    label = f'model_name="{model}"'
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta(f"sluice:generation_tokens_total{{{label}}}") == 15
+    assert delta(f"sluice:prompt_tokens_total{{{label}}}") == prompt_tokens
+    # prometheus-client writes labels in name order.
+    assert delta(f'sluice:request_success_total{{finished_reason="length",{label}}}') == 3
+    assert delta(f"sluice:time_to_first_token_seconds_count{{{label}}}") == 3
+    assert delta(f"sluice:e2e_request_latency_seconds_count{{{label}}}") == 3
+    # Inter-token gaps: one fewer than the chunks with tokens per stream (a lagging reader's merge less).
+    assert 3 <= delta(f"sluice:inter_token_latency_seconds_count{{{label}}}") <= 2 + 4 + 6
+    status = 'handler="/v1/chat/completions",method="POST",status="200"'
+    assert delta(f"sluice:http_requests_total{{{status}}}") == 3
+    assert after[f"sluice:num_requests_running{{{label}}}"] == 0
+    assert 0 <= after[f"sluice:kv_cache_usage_perc{{{label}}}"] <= 1
+
+
+def test_the_openapi_document_lists_every_error_status():
+    from app.server import create_app
+    from app.settings import Settings
+
+    schema = create_app(Settings()).openapi()
+    responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(responses)
+    assert "422" not in responses
+    error = responses["429"]["content"]["application/json"]["schema"]["$ref"]
+    assert error.endswith("/ErrorResponse")
+
+
+def test_sigterm_drains_running_streams_then_exits_zero(default_model_path):
+    proc, base = start_server("--shutdown-timeout", "10", "--max-num-seqs", "8")
+    streams: dict[int, list] = {}
+
+    def read(index: int, max_tokens: int) -> None:
+        body = chat(content=f"Tell story {index}", max_tokens=max_tokens, stream=True)
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
+            streams[index] = parse_events(response.iter_lines())
+
+    # Four finish inside the timeout, four cannot.
+    threads = [threading.Thread(target=read, args=(i, 24 if i < 4 else 4000)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{base}/health").json()["num_running"] < 8:
+        assert time.monotonic() < deadline, "the eight streams never ran together"
+        time.sleep(0.05)
+
+    proc.send_signal(signal.SIGTERM)
+    ready = httpx.get(f"{base}/health")
+    assert ready.status_code == 503 and ready.json()["status"] == "draining"
+    assert httpx.get(f"{base}/health/live").status_code == 200
+    refused = httpx.post(f"{base}/v1/chat/completions", json=chat())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "draining"
+    for thread in threads:
+        thread.join(timeout=60)
+    assert proc.wait(timeout=60) == 0
+    assert sorted(streams) == list(range(8))
+    for index, events in streams.items():
+        assert events[-1].data == "[DONE]"
+        last = events[-2].json()
+        if index < 4:
+            assert last["choices"][0]["finish_reason"] == "length"
+        else:
+            assert last["error"]["message"] == "the server is shutting down"
