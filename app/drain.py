@@ -40,6 +40,8 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_signals = 0
+        # The drain task, held here: the loop keeps only weak references to tasks.
         self._drain: asyncio.Task | None = None
         self._forced = asyncio.Event()
         # We end the streams ourselves, in order; sse-starlette must not cut them first.
@@ -55,7 +57,8 @@ class DrainingServer(uvicorn.Server):
             # Still starting: there is nothing to drain.
             self.should_exit = True
             return
-        forced = self._drain is not None
+        self._num_signals += 1
+        forced = self._num_signals > 1
         logger.warning("%s: %s", signal.Signals(sig).name, "ending every request now" if forced else "draining")
         self._loop.call_soon_threadsafe(self._begin, state, forced)
 

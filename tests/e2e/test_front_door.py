@@ -229,3 +229,34 @@ def test_sigterm_drains_running_streams_then_exits_zero(default_model_path):
             assert last["choices"][0]["finish_reason"] == "length"
         else:
             assert last["error"]["message"] == "the server is shutting down"
+
+
+def test_a_second_signal_ends_every_stream_at_once(default_model_path):
+    proc, base = start_server("--shutdown-timeout", "120")
+    streams: dict[int, list] = {}
+
+    def read(index: int) -> None:
+        body = chat(content=f"Story {index}", max_tokens=4000, stream=True)
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
+            streams[index] = parse_events(response.iter_lines())
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{base}/health").json()["num_running"] < 3:
+        assert time.monotonic() < deadline, "the streams never ran together"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    # Not the 120 s of the timeout: the second signal skipped the wait.
+    assert time.monotonic() - signalled < 30
+    for thread in threads:
+        thread.join(timeout=30)
+    for events in streams.values():
+        assert events[-1].data == "[DONE]"
+        assert events[-2].json()["error"]["message"] == "the server is shutting down"
+    assert len(streams) == 3
