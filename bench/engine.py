@@ -26,7 +26,9 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from pydantic_settings import CliApp
@@ -40,6 +42,8 @@ from engine.channel import StreamChannel  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
 from engine.model_runner import Logits, Segment  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
+
+T = TypeVar("T")
 
 
 def prompt_ids(state: ServerState, index: int) -> list[int]:
@@ -115,17 +119,18 @@ async def engine_level(state: ServerState, concurrency: int, args: argparse.Name
     }
 
 
-def run_in_process(args: argparse.Namespace, settings: Settings) -> dict[int, dict]:
-    """Raw and engine figures per concurrency level, torch confined to one thread."""
+def start_engine_thread(settings: Settings, first: Callable[[ServerState], T]) -> tuple[ServerState, T]:
+    """Build the server state on a new thread, run `first(state)` there, then the engine loop: every
+    torch op on one thread, as in the server. Returns once the engine runs."""
     ready: dict[str, object] = {}
     started = threading.Event()
 
     def torch_thread() -> None:
         try:
             state = build_state(settings)
-            ready["raw"] = {c: raw_forward(state, c, args.max_tokens) for c in args.concurrency}
+            ready["first"] = first(state)
             ready["state"] = state
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:  # noqa: BLE001 - reported by the calling thread
             ready["error"] = exc
             started.set()
             return
@@ -135,11 +140,18 @@ def run_in_process(args: argparse.Namespace, settings: Settings) -> dict[int, di
     started.wait()
     if "error" in ready:
         raise ready["error"]
-    state = ready["state"]
+    return ready["state"], ready["first"]
+
+
+def run_in_process(args: argparse.Namespace, settings: Settings) -> dict[int, dict]:
+    """Raw and engine figures per concurrency level, torch confined to one thread."""
+    state, raw = start_engine_thread(
+        settings, lambda state: {c: raw_forward(state, c, args.max_tokens) for c in args.concurrency}
+    )
     results = {}
     try:
         for concurrency in args.concurrency:
-            results[concurrency] = {"raw_tokens_per_s": round(ready["raw"][concurrency], 2)}
+            results[concurrency] = {"raw_tokens_per_s": round(raw[concurrency], 2)}
             report = asyncio.run(engine_level(state, concurrency, args))
             results[concurrency] |= {f"engine_{key}": value for key, value in report.items()}
             print(concurrency, json.dumps(results[concurrency]), flush=True)

@@ -30,7 +30,6 @@ import re
 import shlex
 import statistics
 import sys
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -42,9 +41,9 @@ from pydantic_settings import CliApp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.settings import Settings  # noqa: E402
-from app.state import ServerState, build_state  # noqa: E402
+from app.state import ServerState  # noqa: E402
 from bench import serve  # noqa: E402
-from bench.engine import prompt_ids, raw_forward  # noqa: E402
+from bench.engine import prompt_ids, raw_forward, start_engine_thread  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
@@ -242,35 +241,21 @@ def median_round(rounds: int, run) -> dict:
 
 def run_in_process(args, settings: Settings) -> dict[int, dict]:
     """Raw and engine figures per level; every torch op on one thread, as in the server."""
-    ready: dict[str, object] = {}
-    started = threading.Event()
 
-    def torch_thread() -> None:
-        try:
-            state = build_state(settings)
-            ready["raw"] = {
-                c: statistics.median(raw_forward(state, c, args.max_tokens) for _ in range(args.rounds))
-                for c in args.concurrency
-            }
-            ready["state"] = state
-            ready["profile"] = StepProfile(state.engine)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            ready["error"] = exc
-            started.set()
-            return
-        state.engine.run(on_running=started.set)
+    def first(state: ServerState) -> tuple[dict[int, float], StepProfile]:
+        raw = {
+            c: statistics.median(raw_forward(state, c, args.max_tokens) for _ in range(args.rounds))
+            for c in args.concurrency
+        }
+        return raw, StepProfile(state.engine)
 
-    threading.Thread(target=torch_thread, name="bench-engine", daemon=True).start()
-    started.wait()
-    if "error" in ready:
-        raise ready["error"]
-    state = ready["state"]
+    state, (raw, profile) = start_engine_thread(settings, first)
     results = {}
     try:
         for concurrency in args.concurrency:
-            results[concurrency] = {"raw_tokens_per_s": round(ready["raw"][concurrency], 1)}
+            results[concurrency] = {"raw_tokens_per_s": round(raw[concurrency], 1)}
             results[concurrency] |= median_round(
-                args.rounds, lambda: asyncio.run(engine_level(state, ready["profile"], concurrency, args))
+                args.rounds, lambda: asyncio.run(engine_level(state, profile, concurrency, args))
             )
             print(concurrency, json.dumps(results[concurrency]), flush=True)
     finally:
