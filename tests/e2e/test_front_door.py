@@ -193,23 +193,29 @@ def test_the_openapi_document_lists_every_error_status():
     assert error.endswith("/ErrorResponse")
 
 
-def test_sigterm_drains_running_streams_then_exits_zero(default_model_path):
-    proc, base = start_server("--shutdown-timeout", "10", "--max-num-seqs", "8")
+def start_streams(base: str, max_tokens: list[int]) -> tuple[dict[int, list], list[threading.Thread]]:
+    """One streamed chat per entry, each read to its end on a thread; returns once all run together."""
     streams: dict[int, list] = {}
 
-    def read(index: int, max_tokens: int) -> None:
-        body = chat(content=f"Tell story {index}", max_tokens=max_tokens, stream=True)
+    def read(index: int) -> None:
+        body = chat(content=f"Tell story {index}", max_tokens=max_tokens[index], stream=True)
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
             streams[index] = parse_events(response.iter_lines())
 
-    # Four finish inside the timeout, four cannot.
-    threads = [threading.Thread(target=read, args=(i, 24 if i < 4 else 4000)) for i in range(8)]
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(max_tokens))]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 60
-    while httpx.get(f"{base}/health").json()["num_running"] < 8:
-        assert time.monotonic() < deadline, "the eight streams never ran together"
+    while httpx.get(f"{base}/health").json()["num_running"] < len(max_tokens):
+        assert time.monotonic() < deadline, "the streams never ran together"
         time.sleep(0.05)
+    return streams, threads
+
+
+def test_sigterm_drains_running_streams_then_exits_zero(default_model_path):
+    proc, base = start_server("--shutdown-timeout", "10", "--max-num-seqs", "8")
+    # Four finish inside the timeout, four cannot.
+    streams, threads = start_streams(base, [24] * 4 + [4000] * 4)
 
     proc.send_signal(signal.SIGTERM)
     ready = httpx.get(f"{base}/health")
@@ -233,20 +239,7 @@ def test_sigterm_drains_running_streams_then_exits_zero(default_model_path):
 
 def test_a_second_signal_ends_every_stream_at_once(default_model_path):
     proc, base = start_server("--shutdown-timeout", "120")
-    streams: dict[int, list] = {}
-
-    def read(index: int) -> None:
-        body = chat(content=f"Story {index}", max_tokens=4000, stream=True)
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as response:
-            streams[index] = parse_events(response.iter_lines())
-
-    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{base}/health").json()["num_running"] < 3:
-        assert time.monotonic() < deadline, "the streams never ran together"
-        time.sleep(0.05)
+    streams, threads = start_streams(base, [4000] * 3)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     signalled = time.monotonic()
