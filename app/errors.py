@@ -84,6 +84,12 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
     }
 
 
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.status_code, error.message, error.param, error.code), error.status_code, headers=error.headers
+    )
+
+
 def install_openapi(app: FastAPI) -> None:
     """The OpenAPI document without FastAPI's 422 responses: validation errors are answered 400."""
 
@@ -102,8 +108,7 @@ def install_openapi(app: FastAPI) -> None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        body = error_body(exc.status_code, exc.message, exc.param, exc.code)
-        return JSONResponse(body, exc.status_code, headers=exc.headers)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -20,10 +20,9 @@ import re
 import uuid
 from collections.abc import Callable
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import OpenAIError, error_body
+from app.errors import OpenAIError, error_response
 from app.metrics import Metrics
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -110,8 +109,7 @@ def _too_large(limit: int) -> OpenAIError:
 
 
 async def _send_error(send: Send, error: OpenAIError) -> None:
-    response = JSONResponse(error_body(error.status_code, error.message, error.param, error.code), error.status_code)
-    await response({"type": "http"}, _no_receive, send)
+    await error_response(error)({"type": "http"}, _no_receive, send)
 
 
 async def _no_receive() -> Message:

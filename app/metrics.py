@@ -86,8 +86,9 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _REQUEST_BUCKETS).labels(
             model_name
         )
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting to be scheduled.", _REQUEST_BUCKETS)
-        self.queue_time = self.queue_time.labels(model_name)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time waiting to be scheduled.", _REQUEST_BUCKETS
+        ).labels(model_name)
         self._http = Counter(
             "sluice:http_requests",
             "HTTP responses by method, route and status.",

@@ -123,7 +123,8 @@ class StreamChannel:
                 open_choices -= chunk.is_terminal
                 yield chunk
 
-    def _deliver(self, chunk: Chunk) -> None:
+    def deliver(self, chunk: Chunk) -> None:
+        """Called by the Outbox's callback on the loop: queue a chunk for the reader."""
         self._queue.put_nowait(chunk)
 
     def _coalesce(self, chunks: list[Chunk]) -> list[Chunk]:
@@ -172,4 +173,4 @@ class Outbox:
 
 def _deliver(batch: list[tuple[StreamChannel, Chunk]]) -> None:
     for channel, chunk in batch:
-        channel._deliver(chunk)
+        channel.deliver(chunk)
