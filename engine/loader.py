@@ -103,8 +103,8 @@ def resolve_int4_max_tokens(int4_max_tokens: int | None, default_model: bool, de
     """None (auto): int4 for decode steps of up to 16 tokens when serving the embedded default
     model on a CPU with AVX-512, whose weights ship as 4-bit, else off. Between 16 and 32 tokens
     the int4 step stops beating bf16 on a 2-core CPU (README, int4 for small steps). On an
-    AVX2-only CPU torch's int4 kernel is slower than float32 at every batch size (measured:
-    7.0 against 14.8 tok/s at batch 1, 8.7 against 61.4 at batch 8), so auto leaves it off."""
+    AVX2-only CPU torch's int4 kernel is slower than float32 at every batch size (README: 7.1
+    against 16.8 tok/s at batch 1, 8.4 against 79.2 at batch 8), so auto leaves it off."""
     if not int4_supported(device):
         return 0
     if int4_max_tokens is None:
