@@ -1,26 +1,97 @@
-"""Prompts → token ids: the model's chat template for messages, plain tokenization for text."""
+"""Prompts → token ids: the model's chat template for messages, plain tokenization for text.
+
+Tools reach the model through its template when the template knows them; otherwise
+their definitions join the system prompt, earlier calls are written back as the model
+writes them, and tool results come back in a user turn, all in the Hermes format
+(app/tools.py).
+"""
 
 from __future__ import annotations
+
+import json
 
 from transformers import PreTrainedTokenizerBase
 
 from app.errors import OpenAIError
 from app.protocol import ChatMessage
+from app.tools import ToolUse, render_call, render_result
 
 # Templates written before the "developer" role know it as "system".
 _ROLE_ALIASES = {"developer": "system"}
 
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tool_use: ToolUse | None = None
+) -> list[int]:
     """Render the conversation with the tokenizer's chat template, ending on the assistant's turn."""
     if not tokenizer.chat_template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    conversation = [{"role": _ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in messages]
+    if template_knows_tools(tokenizer):
+        conversation = [_native_message(m) for m in messages]
+        tools = [_definition(f) for f in tool_use.functions] if tool_use else None
+    else:
+        conversation = [_text_message(m) for m in messages]
+        tools = None
+        if tool_use is not None:
+            conversation = _with_system_prompt(conversation, tool_use.system_prompt())
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - a template raises whatever its author chose
         raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_knows_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and "tools" in template
+
+
+def _definition(function) -> dict:
+    body = {"name": function.name, "parameters": function.parameters}
+    if function.description:
+        body["description"] = function.description
+    return {"type": "function", "function": body}
+
+
+def _native_message(message: ChatMessage) -> dict:
+    rendered = {"role": _ROLE_ALIASES.get(message.role, message.role), "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _text_message(message: ChatMessage) -> dict:
+    if message.role == "tool":
+        return {"role": "user", "content": render_result(message.text())}
+    content = message.text()
+    if message.tool_calls:
+        calls = "\n".join(render_call(c.function.name, c.function.arguments) for c in message.tool_calls)
+        content = f"{content}\n{calls}" if content else calls
+    return {"role": _ROLE_ALIASES.get(message.role, message.role), "content": content}
+
+
+def _with_system_prompt(conversation: list[dict], prompt: str) -> list[dict]:
+    if conversation and conversation[0]["role"] == "system":
+        first = conversation[0]
+        return [{"role": "system", "content": f"{first['content']}\n\n{prompt}"}, *conversation[1:]]
+    return [{"role": "system", "content": prompt}, *conversation]
+
+
+def _arguments(arguments: str) -> object:
+    """Templates expect arguments as a mapping; a text that is not JSON goes through as it is."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 def text_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from app.errors import OpenAIError
+from app.tools import Function, ToolUse, parameters_schema
+from engine.grammar import GrammarSpec
 from engine.request import SamplingParams
 
 
@@ -34,6 +37,66 @@ class ServingLimits:
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec.json_schema({"type": "object"})
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise OpenAIError(
+                400, "response_format of type json_schema needs json_schema.schema", param="response_format"
+            )
+        return GrammarSpec.json_schema(self.json_schema.schema_)
+
+
+class StructuredOutputs(_Request):
+    """Extension (as vLLM's `structured_outputs`): exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def spec(self, param: str) -> GrammarSpec:
+        found = [
+            *([_json_spec(self.json_, f"{param}.json")] if self.json_ is not None else []),
+            *([GrammarSpec("regex", self.regex)] if self.regex is not None else []),
+            *([GrammarSpec.choice(self.choice)] if self.choice is not None else []),
+            *([GrammarSpec("grammar", self.grammar)] if self.grammar is not None else []),
+            *([GrammarSpec.json_schema({"type": "object"})] if self.json_object else []),
+        ]
+        if len(found) != 1:
+            raise OpenAIError(
+                400, f"{param} needs exactly one of json, regex, choice, grammar, json_object", param=param
+            )
+        return found[0]
+
+
+def _json_spec(schema: dict | bool | str, param: str) -> GrammarSpec:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
+    if not isinstance(schema, (dict, bool)):
+        raise OpenAIError(400, f"{param} must be a JSON schema (an object)", param=param)
+    return GrammarSpec.json_schema(schema)
 
 
 class _SamplingRequest(_Request):
@@ -67,6 +130,17 @@ class _SamplingRequest(_Request):
     """Extension: the stream survives a disconnect for the resume window (GET /v1/streams/{id})."""
     speculative: bool = True
     """Extension: false keeps this request out of speculative decoding."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """Extension (as vLLM): constrain the output to a JSON schema, regex, choice or grammar."""
+    guided_json: dict[str, Any] | bool | str | None = None
+    """Extension (vLLM's older name): the output matches this JSON schema."""
+    guided_regex: str | None = None
+    """Extension (vLLM's older name): the output matches this regular expression."""
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    """Extension (vLLM's older name): the output is one of these strings."""
+    guided_grammar: str | None = None
+    """Extension (vLLM's older name): the output matches this grammar (Lark, or llama.cpp's GBNF)."""
 
     @field_validator("stop")
     @classmethod
@@ -92,7 +166,29 @@ class _SamplingRequest(_Request):
         """How many top alternatives to report per token; None: no logprobs at all."""
         return None
 
-    def to_sampling_params(self, num_prompt_tokens: int, limits: ServingLimits) -> SamplingParams:
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """What the output must match and the parameter that said so; at most one may."""
+        found = []
+        if self.response_format is not None and (spec := self.response_format.grammar()) is not None:
+            found.append((spec, "response_format"))
+        if self.structured_outputs is not None:
+            found.append((self.structured_outputs.spec("structured_outputs"), "structured_outputs"))
+        if self.guided_json is not None:
+            found.append((_json_spec(self.guided_json, "guided_json"), "guided_json"))
+        if self.guided_regex is not None:
+            found.append((GrammarSpec("regex", self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            found.append((GrammarSpec.choice(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append((GrammarSpec("grammar", self.guided_grammar), "guided_grammar"))
+        if len(found) > 1:
+            names = " and ".join(param for _, param in found)
+            raise OpenAIError(400, f"only one output constraint may be given, got {names}", param=found[1][1])
+        return found[0] if found else None
+
+    def to_sampling_params(
+        self, num_prompt_tokens: int, limits: ServingLimits, grammar: GrammarSpec | None = None
+    ) -> SamplingParams:
         """Check what the fields alone cannot (vocabulary, context, seats), then freeze."""
         if self.n > limits.max_num_seqs:
             raise OpenAIError(400, f"n must be at most {limits.max_num_seqs} (--max-num-seqs)", param="n")
@@ -133,6 +229,7 @@ class _SamplingRequest(_Request):
             n=self.n,
             stream_interval=self.stream_interval or limits.stream_interval,
             speculative=self.speculative,
+            grammar=grammar,
         )
 
     @property
@@ -145,10 +242,46 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    # The arguments as a JSON text, as OpenAI sends them.
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool result's answer to one of them.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -163,12 +296,39 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         return self
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools the model may call on this request; None when it answers in text only."""
+        if self.tool_choice is not None and not self.tools:
+            raise OpenAIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+        if not self.tools or self.tool_choice == "none":
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools: function names must be unique", param="tools")
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise OpenAIError(
+                    400,
+                    f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                    param="tool_choice",
+                )
+            choice = choice.function.name
+        functions = tuple(
+            Function(t.function.name, t.function.description, parameters_schema(t.function.parameters))
+            for t in self.tools
+        )
+        return ToolUse(functions, choice, self.parallel_tool_calls)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -218,14 +378,29 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
+class _Delta(BaseModel):
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler) -> dict:
         # OpenAI sends only the fields a delta changes; the final delta is {}.
         return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class FunctionCallDelta(_Delta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Delta):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(_Delta):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -288,7 +463,8 @@ class ChatCompletionChunk(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     """Longest suffix the n-gram proposer looks up (tried first)."""
     speculative_max_batch_size: int = Field(4, ge=1)
     """Speculate only while at most this many requests run; above it verification costs more than it saves."""
+    jump_forward: bool = True
+    """Structured output: where the grammar allows exactly one continuation (a JSON key, punctuation),
+    append its tokens at once instead of sampling them one by one; --no-jump-forward turns it off."""
     stream_interval: int = Field(1, ge=1, le=1024)
     """Tokens per streamed chunk unless a request sets its own; the last chunk always flushes."""
     keepalive_seconds: float = Field(15.0, gt=0)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from app.accounting import Accounting, RequestContext
 from app.admission import Admission, load_api_keys
@@ -17,6 +18,7 @@ from app.protocol import ServingLimits
 from app.resumable import StreamRegistry
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
+from engine.grammar import GrammarError, GrammarSpec
 from engine.host_memory import keep_freed_memory
 from engine.loader import LoadedModel, load_model
 from engine.model import PagedCausalLM
@@ -75,6 +77,14 @@ class ServerState:
 
         return start
 
+    async def compile_grammar(self, spec: GrammarSpec, param: str) -> None:
+        """Compile (or find cached) the grammar a request's output must match, off the event loop;
+        400 naming `param` when it does not compile."""
+        try:
+            await run_in_threadpool(self.engine.grammars.compile, spec)
+        except GrammarError as exc:
+            raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
+
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, self.model_name, str(self.loaded.path)):
             raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
@@ -132,6 +142,7 @@ def build_state(settings: Settings) -> ServerState:
         max_unread_tokens=settings.max_unread_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
         speculative=_speculative_config(settings),
+        jump_forward=settings.jump_forward,
     )
     logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
     engine = Engine(loaded, config, draft_model)

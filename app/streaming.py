@@ -31,11 +31,16 @@ from app.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCall,
+    FunctionCallDelta,
     PromptTokensDetails,
     Timings,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from app.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser
 from engine import channel as engine_channel
 from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import TokenBytes
@@ -76,6 +81,8 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     # Metrics and the audit line; None where nobody accounts for the request (benchmarks).
     accounting: Accounting | None = None
+    # Whether the output may hold tool calls (chat with tools), to be parsed out of the text.
+    parses_tools: bool = False
     # Per choice: a content chunk's JSON before and after its text.
     _text_templates: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -89,6 +96,7 @@ class Generation:
         params: SamplingParams,
         include_usage: bool,
         accounting: Callable[[str], Accounting] | None = None,
+        parses_tools: bool = False,
     ) -> Generation:
         """Submit the request; `accounting`, given the completion id, makes its accounting."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -102,6 +110,7 @@ class Generation:
             channel=StreamChannel(asyncio.get_running_loop(), num_choices=params.n),
             token_bytes=engine.token_bytes,
             completion_id=f"{prefix}-{uuid.uuid4().hex}",
+            parses_tools=parses_tools,
         )
         if accounting is not None:
             generation.accounting = accounting(generation.completion_id)
@@ -114,6 +123,7 @@ class Generation:
         completion_tokens = cached_tokens = 0
         text_offsets = [0] * self.num_choices
         open_choices = self.num_choices
+        parsers = [ToolCallParser() for _ in range(self.num_choices)] if self.parses_tools else None
         try:
             if self.kind == "chat":
                 for index in range(self.num_choices):
@@ -126,11 +136,16 @@ class Generation:
                 if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
                     yield _error_json(chunk)
                     break
-                if chunk.text or chunk.logprobs:
+                if parsers is not None:
+                    parser = parsers[chunk.index]
+                    pieces = parser.feed(chunk.text) + (parser.finish() if chunk.is_terminal else [])
+                    for payload in self._tool_deltas(chunk.index, pieces, chunk.logprobs):
+                        yield payload
+                elif chunk.text or chunk.logprobs:
                     yield self._delta(chunk, text_offsets)
                 if chunk.is_terminal:
                     cached_tokens = max(cached_tokens, chunk.timings.cached_tokens if chunk.timings else 0)
-                    yield self._finish(chunk)
+                    yield self._finish(chunk, bool(parsers and parsers[chunk.index].calls()))
             else:
                 if self.include_usage:
                     yield self._usage_chunk(completion_tokens, cached_tokens)
@@ -171,12 +186,15 @@ class Generation:
             chat_choices = [
                 ChatChoice(
                     index=index,
-                    message=ChatResponseMessage(content="".join(c.text)),
+                    message=self._message("".join(c.text)),
                     logprobs=self._chat_logprobs(c.logprobs),
                     finish_reason=c.finish_reason,
                 )
                 for index, c in enumerate(choices)
             ]
+            for choice in chat_choices:
+                if choice.message.tool_calls and choice.finish_reason == FinishReason.STOP.value:
+                    choice.finish_reason = "tool_calls"
             return ChatCompletion(**ids, choices=chat_choices, usage=usage, timings=timings)
         text_choices = [
             CompletionChoice(
@@ -189,7 +207,44 @@ class Generation:
         ]
         return Completion(**ids, choices=text_choices, usage=usage, timings=timings)
 
+    def _message(self, text: str) -> ChatResponseMessage:
+        """The assistant's message: its text, or with tools its text and calls apart."""
+        if not self.parses_tools:
+            return ChatResponseMessage(content=text)
+        parser = ToolCallParser()
+        pieces = parser.feed(text) + parser.finish()
+        content = "".join(p.text for p in pieces if isinstance(p, Content))
+        calls = [
+            ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+            for call_id, name, arguments in parser.calls()
+        ]
+        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=calls or None)
+
     # Payloads.
+
+    def _tool_deltas(self, index: int, pieces: list[Piece], logprobs: Sequence[TokenLogprob]) -> list[str]:
+        """Chat chunks for parsed output: content, a call's start (id, name), its argument fragments."""
+        scores = self._chat_logprobs(logprobs) if logprobs else None
+        if scores is not None and not pieces:
+            # The text is held back (it may open a call), but its tokens' scores go out now.
+            pieces = [Content("")]
+        payloads = []
+        for piece in pieces:
+            if isinstance(piece, Content):
+                delta = ChatDelta(content=piece.text)
+            elif isinstance(piece, CallStarted):
+                function = FunctionCallDelta(name=piece.name, arguments="")
+                delta = ChatDelta(
+                    tool_calls=[ToolCallDelta(index=piece.index, id=piece.call_id, type="function", function=function)]
+                )
+            else:
+                assert isinstance(piece, ArgumentsDelta)
+                delta = ChatDelta(
+                    tool_calls=[ToolCallDelta(index=piece.index, function=FunctionCallDelta(arguments=piece.text))]
+                )
+            payloads.append(self._chat_chunk(index, delta, scores))
+            scores = None
+        return payloads
 
     def _delta(self, chunk: Chunk, text_offsets: list[int]) -> str:
         if not self.wants_logprobs:
@@ -212,8 +267,10 @@ class Generation:
         self._text_templates[index] = (prefix, suffix)
         return prefix, suffix
 
-    def _finish(self, chunk: Chunk) -> str:
+    def _finish(self, chunk: Chunk, called: bool = False) -> str:
         reason, timings = chunk.finish_reason.value, _timings(chunk.timings)
+        if called and chunk.finish_reason == FinishReason.STOP:
+            reason = "tool_calls"
         if self.kind == "chat":
             return self._chat_chunk(chunk.index, ChatDelta(), finish_reason=reason, timings=timings)
         return self._text_chunk(CompletionChoice(index=chunk.index, text="", finish_reason=reason), timings)

@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +15,7 @@ import torch
 
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from engine.grammar import GrammarCompiler, MaskComputer, StepMasks
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import PagedCausalLM
@@ -49,6 +51,8 @@ class EngineConfig:
     max_unread_tokens: int = 256
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None
+    # Constrained requests append the tokens their grammar forces without sampling them.
+    jump_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class Engine:
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
+        self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopping = False
@@ -182,6 +188,7 @@ class Engine:
         self._drain_inbox(timeout=0)
         self._fail_all(_SHUTDOWN_MESSAGE)
         self.output.flush()
+        self.masks.shutdown()
         self._stats = self._snapshot(alive=False)
 
     @property
@@ -235,13 +242,19 @@ class Engine:
         self._num_paused = plan.num_paused
         if plan.is_empty:
             return False
-        samplers, logits = self.runner.execute(plan)
+        pending_masks = self._start_masks(plan)
+        try:
+            samplers, logits = self.runner.execute(plan)
+        finally:
+            # Never leave the worker holding matchers this thread is about to advance.
+            masks = pending_masks.result() if pending_masks is not None else None
         if self._fault_pending:
             self._fault_pending = False
             raise _InjectedFault("injected fault")
-        samplers, row_starts = self._fork_choices(plan, samplers)
-        outputs = self._sample(plan, proposals, samplers, row_starts, logits)
-        kept = self.scheduler.postprocess(plan, {key: tokens for key, (tokens, _) in outputs.items()})
+        samplers, row_starts = self._fork_choices(plan, samplers, masks)
+        outputs = self._sample(plan, proposals, samplers, row_starts, logits, masks)
+        forced = self._advance_constraints(samplers, outputs)
+        kept = self.scheduler.postprocess(plan, {key: tokens for key, (tokens, _) in outputs.items()}, forced)
         now = time.monotonic()
         for request, token_ids in kept:
             if request.first_token_time is None:
@@ -276,7 +289,45 @@ class Engine:
             for r in eligible
         ]
         proposals = self.proposer.propose(eligible, room) if eligible else []
+        # A constrained request's proposals end at the first token its grammar forbids.
+        proposals = [
+            _trim(p, r.constraint.valid_prefix(p.token_ids)) if r.constraint is not None and p.token_ids else p
+            for r, p in zip(eligible, proposals)
+        ]
         return {id(r): p for r, p in zip(eligible, proposals) if p.token_ids}
+
+    def _start_masks(self, plan: StepPlan) -> Future[StepMasks] | None:
+        """Start the masks of the constrained requests that sample this step (they depend only on
+        tokens already kept, so they are computed while the forward runs)."""
+        jobs = [
+            (request, plan.proposals.get(id(request), []))
+            for request, num_new in plan.scheduled
+            if request.constraint is not None
+            and (id(request) in plan.proposals or request.num_computed_tokens + num_new == request.num_tokens)
+        ]
+        return self.masks.start(jobs) if jobs else None
+
+    def _advance_constraints(
+        self, samplers: list[Request], outputs: dict[int, tuple[list[int], list[TokenLogprob]]]
+    ) -> dict[int, int]:
+        """Move each constrained request's grammar past its new tokens, then append the tokens the
+        grammar forces next (jump-forward). Returns how many were appended, by id(request)."""
+        forced: dict[int, int] = {}
+        for request in samplers:
+            if request.constraint is None:
+                continue
+            token_ids = outputs[id(request)][0]
+            if not request.constraint.advance(token_ids):
+                request.finish(RequestStatus.FINISHED_ERROR, "the output left its grammar")
+                continue
+            # Forced tokens have no logprobs of their own, so a request that asked for them samples every token.
+            if not self.config.jump_forward or request.params.logprobs is not None or request.constraint.done:
+                continue
+            if extra := request.constraint.forced():
+                request.constraint.advance(extra)
+                token_ids.extend(extra)
+                forced[id(request)] = len(extra)
+        return forced
 
     def _sample(
         self,
@@ -285,6 +336,7 @@ class Engine:
         samplers: list[Request],
         row_starts: list[int],
         logits: torch.Tensor,
+        masks: StepMasks | None,
     ) -> dict[int, tuple[list[int], list[TokenLogprob]]]:
         """Tokens (and logprobs) for every sampling request: one sampled, or verified proposals."""
         outputs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
@@ -294,7 +346,8 @@ class Engine:
             starts = [row_starts[i] for i in plain]
             # Rows are already in order when no request verifies proposals: no gather copy.
             plain_logits = logits if starts == list(range(logits.shape[0])) else logits[starts]
-            sampled = self.sampler.sample(requests, plain_logits)
+            mask = masks.for_rows(requests, [0] * len(requests)) if masks is not None else None
+            sampled = self.sampler.sample(requests, plain_logits, mask)
             for request, token_id, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
                 outputs[id(request)] = ([token_id], [logprob] if logprob else [])
         verifying = [i for i, r in enumerate(samplers) if id(r) in plan.proposals]
@@ -306,7 +359,13 @@ class Engine:
                 for i, p in zip(verifying, trimmed)
                 for row in range(row_starts[i], row_starts[i] + len(p.token_ids) + 1)
             ]
-            for request, proposal, result in zip(requests, trimmed, verify(requests, trimmed, logits[rows])):
+            mask = None
+            if masks is not None:
+                mask = masks.for_rows(
+                    [r for r, p in zip(requests, trimmed) for _ in range(len(p.token_ids) + 1)],
+                    [offset for p in trimmed for offset in range(len(p.token_ids) + 1)],
+                )
+            for request, proposal, result in zip(requests, trimmed, verify(requests, trimmed, logits[rows], mask)):
                 request.num_draft_tokens += len(proposal.token_ids)
                 request.num_accepted_tokens += result.num_accepted
                 self._num_draft_tokens += len(proposal.token_ids)
@@ -325,9 +384,13 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.token_bytes),
             stop_matcher=StopMatcher(params.stop),
             index=index,
+            # Choices forked later copy the first choice's state instead.
+            constraint=self.grammars.constraint(params.grammar) if params.grammar and index == 0 else None,
         )
 
-    def _fork_choices(self, plan: StepPlan, samplers: list[Request]) -> tuple[list[Request], list[int]]:
+    def _fork_choices(
+        self, plan: StepPlan, samplers: list[Request], masks: StepMasks | None
+    ) -> tuple[list[Request], list[int]]:
         """Fork the other n-1 choices off each request whose prompt just finished prefilling.
 
         They share its full KV blocks, get copies of its last partial one and sample
@@ -349,6 +412,11 @@ class Engine:
                     parent.request_id, parent.prompt_token_ids, parent.params, parent.channel, index
                 )
                 child.arrival_time, child.first_scheduled_time = parent.arrival_time, parent.first_scheduled_time
+                if parent.constraint is not None:
+                    # Every choice keeps its own grammar state, starting where the parent's is now.
+                    child.constraint = parent.constraint.copy()
+                    if masks is not None:
+                        masks.share(child, parent)
                 copies = self.block_manager.fork(parent, child, parent.num_tokens)
                 if copies is not None:
                     self.runner.copy_blocks(copies)

@@ -12,6 +12,7 @@ from engine.draws import request_key
 if TYPE_CHECKING:
     from engine.channel import StreamChannel
     from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+    from engine.grammar import Constraint, GrammarSpec
     from engine.sampler import TokenLogprob
 
 
@@ -70,6 +71,8 @@ class SamplingParams:
     stream_interval: int = 1
     # Whether the engine may speculate for this request (when it speculates at all).
     speculative: bool = True
+    # What the output must match (structured output, tool calls); None: free text.
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +128,8 @@ class Request:
     num_draft_computed: int = 0
     # Whether the scheduler ever paused this request for its reader (back-pressure).
     was_paused: bool = False
+    # Where this choice stands in params.grammar; None for free text.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.draws import uniforms
+from engine.grammar import RowMask
 from engine.request import Request
 
 # Tokens per block of the two-level draw.
@@ -52,10 +53,13 @@ class Sampler:
     def __init__(self) -> None:
         self._workspace = torch.empty(0)
 
-    def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> SamplerOutput:
+    def sample(self, requests: Sequence[Request], logits: torch.Tensor, mask: RowMask | None = None) -> SamplerOutput:
         """One token per row of float32 `logits` [R, V], row i belonging to requests[i]; the
-        token of row i takes position requests[i].num_tokens."""
+        token of row i takes position requests[i].num_tokens. `mask` limits constrained rows
+        to the tokens their grammar allows (logprobs still describe the model's own scores)."""
         processed = apply_penalties(requests, logits)
+        if mask is not None:
+            processed = mask.apply(processed)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if not rows:
             token_ids = processed.argmax(dim=-1)

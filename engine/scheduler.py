@@ -153,18 +153,21 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def postprocess(self, plan: StepPlan, sampled: dict[int, list[int]]) -> list[tuple[Request, list[int]]]:
+    def postprocess(
+        self, plan: StepPlan, sampled: dict[int, list[int]], forced: dict[int, int] | None = None
+    ) -> list[tuple[Request, list[int]]]:
         """Advance counters, append sampled tokens (keyed by id(request)) and latch finishes.
 
-        Tokens after the one that finishes a request are dropped. Returns each sampling
-        request with the tokens it kept.
+        The last `forced[id(request)]` of a request's tokens were appended by its grammar
+        (jump-forward), not computed. Tokens after the one that finishes a request are
+        dropped. Returns each sampling request with the tokens it kept.
         """
         kept: list[tuple[Request, list[int]]] = []
         for request, num_new in plan.scheduled:
             token_ids = sampled.get(id(request))
             if token_ids is not None and id(request) in plan.proposals:
                 # K/V is valid up to the last accepted proposal; the rest is rolled back.
-                request.num_computed_tokens += len(token_ids)
+                request.num_computed_tokens += len(token_ids) - (forced or {}).get(id(request), 0)
                 self.block_manager.truncate(request, request.num_computed_tokens + 1)
             else:
                 request.num_computed_tokens += num_new
@@ -177,6 +180,9 @@ class Scheduler:
                     request.finish(RequestStatus.FINISHED_STOPPED)
                 elif request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
                     request.finish(RequestStatus.FINISHED_LENGTH)
+                elif count == len(token_ids) and request.constraint is not None and request.constraint.done:
+                    # The grammar allows nothing more: the output is complete.
+                    request.finish(RequestStatus.FINISHED_STOPPED)
                 if request.is_finished:
                     kept.append((request, token_ids[:count]))
                     self.free(request)

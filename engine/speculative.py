@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from engine.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
+from engine.grammar import RowMask
 from engine.kv_cache import BlockManager
 from engine.model import PagedCausalLM
 from engine.model_runner import Logits, ModelRunner, Segment
@@ -137,15 +138,21 @@ class Verified:
     num_accepted: int
 
 
-def verify(requests: Sequence[Request], proposals: Sequence[Proposal], logits: torch.Tensor) -> list[Verified]:
+def verify(
+    requests: Sequence[Request], proposals: Sequence[Proposal], logits: torch.Tensor, mask: RowMask | None = None
+) -> list[Verified]:
     """Accept or reject each request's proposals against the target's `logits`.
 
     `logits` holds len(proposal) + 1 rows per request, in order: the target's scores
-    after the request's last token and after each proposal.
+    after the request's last token and after each proposal. `mask` holds the grammar's
+    allowed tokens at each constrained position, so a rejected proposal is replaced by
+    a token the grammar allows.
     """
     rows = [r for r, p in zip(requests, proposals) for _ in range(len(p.token_ids) + 1)]
     drafts = [p.token_ids[:i] for p in proposals for i in range(len(p.token_ids) + 1)]
     processed = apply_penalties(rows, logits, drafts)
+    if mask is not None:
+        processed = mask.apply(processed)
     targets = processed.argmax(dim=-1).tolist()
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = probabilities(processed[sampled], [rows[i] for i in sampled]) if sampled else None

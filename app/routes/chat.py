@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
 from app.admission import admit, require_api_key
+from app.errors import OpenAIError
 from app.prompting import chat_prompt_ids
 from app.protocol import ChatCompletion, ChatCompletionRequest
 from app.state import ServerState, get_state
@@ -19,8 +20,16 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
 ) -> EventSourceResponse | ChatCompletion:
     state.check_model(body.model)
-    prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages)
-    params = body.to_sampling_params(len(prompt_ids), state.limits)
+    tool_use = body.tool_use()
+    prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages, tool_use)
+    grammar = body.grammar()
+    if tool_use is not None:
+        if grammar is not None and grammar[0].kind != "json_schema":
+            raise OpenAIError(400, f"{grammar[1]} cannot be combined with tools; use a JSON schema", param=grammar[1])
+        grammar = (tool_use.grammar(grammar[0] if grammar else None), "tools")
+    if grammar is not None:
+        await state.compile_grammar(*grammar)
+    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar[0] if grammar else None)
     accounting = state.accounting_for(
         request,
         "/v1/chat/completions",
@@ -30,7 +39,14 @@ async def create_chat_completion(
         lambda: [m.model_dump(exclude_none=True) for m in body.messages],
     )
     generation = Generation.start(
-        state.engine, "chat", state.model_name, prompt_ids, params, body.include_usage, accounting
+        state.engine,
+        "chat",
+        state.model_name,
+        prompt_ids,
+        params,
+        body.include_usage,
+        accounting,
+        parses_tools=tool_use is not None,
     )
     if not body.stream:
         return await generation.fold()

@@ -21,7 +21,10 @@ async def create_completion(
     state.check_model(body.model)
     prompt = body.single_prompt()
     prompt_ids = text_prompt_ids(state.loaded.tokenizer, prompt)
-    params = body.to_sampling_params(len(prompt_ids), state.limits)
+    grammar = body.grammar()
+    if grammar is not None:
+        await state.compile_grammar(*grammar)
+    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar[0] if grammar else None)
     accounting = state.accounting_for(
         request, "/v1/completions", body.stream, len(prompt_ids), params.n, lambda: prompt
     )

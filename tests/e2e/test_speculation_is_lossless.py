@@ -1,6 +1,7 @@
 """Speculative decoding on the default model: greedy output identical to decoding without it."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -61,3 +62,46 @@ async def test_greedy_output_is_identical_with_and_without_speculation(speculati
             assert [r["choices"][0]["message"]["content"] for r in together] == expected[start : start + 8]
     health = httpx.get(f"{speculative_server}/health").json()
     assert health["kv_blocks_used"] == 0 and health["num_accepted_tokens"] > 0
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["name", "age", "hobbies"],
+    "additionalProperties": False,
+}
+
+
+async def test_constrained_greedy_output_is_identical_with_and_without_speculation(speculative_server):
+    """Proposals are cut at the first token the grammar forbids and every verified position is
+    masked, so the grammar and speculation together give what the grammar alone gives."""
+
+    async def constrained(client, prompt, speculative):
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 120,
+            "temperature": 0,
+            "speculative": speculative,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        }
+        return (await client.post(f"{speculative_server}/v1/chat/completions", json=body)).json()
+
+    # An example in the prompt gives the n-gram proposer something to find.
+    example = '{"name":"Ann Lee","age":30,"hobbies":["reading","chess"]}'
+    prompts = [
+        f"Like {example}, describe {who} as JSON."
+        for who in ("a baker", "a pilot", "a child", "a sailor", "a poet", "a nurse")
+    ]
+    async with httpx.AsyncClient(timeout=300) as client:
+        without = [await constrained(client, p, False) for p in prompts]
+        together = await asyncio.gather(*[constrained(client, p, True) for p in prompts])
+    contents = [r["choices"][0]["message"]["content"] for r in without]
+    assert [r["choices"][0]["message"]["content"] for r in together] == contents
+    assert sum(r["timings"]["draft_n"] for r in together) > 0
+    for response in without:
+        if response["choices"][0]["finish_reason"] == "stop":
+            assert set(json.loads(response["choices"][0]["message"]["content"])) == set(PERSON["properties"])

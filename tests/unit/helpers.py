@@ -18,14 +18,14 @@ from engine.request import Request, SamplingParams
 TINY_VOCAB = 512
 
 
-def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False):
+def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB):
     """A 2-layer random model whose logits are peaked enough for greedy decoding to be stable.
 
     `repetitive`: tied embeddings and damped layers, so it mostly repeats its last token and
     now and then switches; speculative proposals are then often accepted and often rejected.
     """
     common = dict(
-        vocab_size=TINY_VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -48,8 +48,10 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = F
     return model
 
 
-def tiny_loaded(tokenizer, model_type: str = "llama", repetitive: bool = False) -> LoadedModel:
-    hf = tiny_hf_model(model_type, repetitive=repetitive)
+def tiny_loaded(
+    tokenizer, model_type: str = "llama", repetitive: bool = False, vocab_size: int = TINY_VOCAB
+) -> LoadedModel:
+    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size)
     return LoadedModel(
         model=PagedCausalLM(hf),
         tokenizer=tokenizer,
