@@ -18,6 +18,7 @@ import hmac
 import math
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import Request
@@ -86,12 +87,19 @@ class Admission:
         # (time, requests finished so far), sampled at each admission check.
         self._finished: deque[tuple[float, int]] = deque()
 
-    def started(self) -> None:
-        self.num_in_flight += 1
-
     def finished(self) -> None:
         self.num_in_flight -= 1
         self._num_finished += 1
+
+    def withdraw(self) -> None:
+        """An admitted request that ended before its generation started (a 400, a dropped client)."""
+        self.num_in_flight -= 1
+
+    def admit(self) -> None:
+        """Check, then count the request as in flight at once: requests that arrive together each see
+        the ones admitted before them, even before any of them has started its generation."""
+        self.check()
+        self.num_in_flight += 1
 
     def check(self) -> None:
         now = time.monotonic()
@@ -124,6 +132,14 @@ def _retry(seconds: int) -> dict[str, str]:
     return {"Retry-After": str(seconds)}
 
 
-async def admit(request: Request) -> None:
-    """Dependency of the generation routes."""
-    request.app.state.sluice.admission.check()
+async def admit(request: Request) -> AsyncIterator[None]:
+    """Dependency of the generation routes: admits the request, and withdraws it if the route ends
+    without starting a generation (whose accounting then owns the place and frees it when done)."""
+    admission = request.app.state.sluice.admission
+    admission.admit()
+    request.state.generation_started = False
+    try:
+        yield
+    finally:
+        if not request.state.generation_started:
+            admission.withdraw()

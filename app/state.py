@@ -62,7 +62,8 @@ class ServerState:
         )
 
         def start(completion_id: str) -> Accounting:
-            self.admission.started()
+            # The place admit() counted now belongs to the generation's accounting.
+            request.state.generation_started = True
             return Accounting(
                 self.metrics,
                 self.audit,
