@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test bench
+.PHONY: serve test bench browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,18 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/sluice $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest $(ARGS)
+
+# The playground's browser tests drive Chromium. Where this runs as root on Debian (as CI does) it comes
+# from the system's packages; elsewhere, without it, those tests skip and say why.
+browser:
+	@if ! command -v chromedriver >/dev/null && [ "$$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then \
+		echo "installing chromium and chromium-driver for the browser tests"; \
+		apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1; } \
+		|| echo "could not install chromium: the browser tests will skip"; \
+	fi
 
 # The serving sweep (bench/serve.py) against a Sluice it starts; ARGS adds servers, levels, flags:
 # `make bench ARGS="--peer transformers"` also runs `transformers serve` in its own environment.

@@ -24,6 +24,16 @@ def chat_prompt_ids(
     tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tool_use: ToolUse | None = None
 ) -> list[int]:
     """Render the conversation with the tokenizer's chat template, ending on the assistant's turn."""
+    return tokenizer.encode(chat_prompt_text(tokenizer, messages, tool_use), add_special_tokens=False)
+
+
+def chat_prompt_text(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[ChatMessage],
+    tool_use: ToolUse | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The conversation as the chat template renders it."""
     if not tokenizer.chat_template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if template_knows_tools(tokenizer):
@@ -35,10 +45,11 @@ def chat_prompt_ids(
         if tool_use is not None:
             conversation = _with_system_prompt(conversation, tool_use.system_prompt())
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as exc:  # noqa: BLE001 - a template raises whatever its author chose
         raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def template_knows_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -102,3 +113,38 @@ def text_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int])
     if any(not 0 <= t < vocab_size for t in prompt):
         raise OpenAIError(400, f"prompt token ids must lie in [0, {vocab_size})", param="prompt")
     return list(prompt)
+
+
+def continuation_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[int],
+    reply_ids: list[int],
+    earlier: list[ChatMessage],
+    new: list[ChatMessage],
+    tool_use: ToolUse | None,
+) -> list[int] | None:
+    """The prompt of a conversation's next turn: the earlier turn's own token ids (its prompt and
+    reply, as the engine computed them), then the new messages as the template renders them after
+    the reply. None when that is not exactly the template's rendering of the whole conversation
+    (the caller then renders it all): `earlier` are the messages through the earlier reply, whose
+    text must be what `reply_ids` decode to, and which the template must render as that text
+    followed by a closing part (ChatML's `<|im_end|>\n`), of which a final end-of-turn token in
+    `reply_ids` is the start.
+    """
+    special = set(tokenizer.all_special_ids)
+    ends_turn = bool(reply_ids) and reply_ids[-1] in special
+    reply = tokenizer.decode(reply_ids[:-1] if ends_turn else reply_ids)
+    if not reply or earlier[-1].role != "assistant" or earlier[-1].text() != reply:
+        return None
+    before = chat_prompt_text(tokenizer, earlier, tool_use, add_generation_prompt=False)
+    after = chat_prompt_text(tokenizer, [*earlier, *new], tool_use)
+    at = before.rfind(reply)
+    if at < 0 or not after.startswith(before):
+        return None
+    closing = before[at + len(reply) :]
+    if ends_turn:
+        end = tokenizer.decode(reply_ids[-1:])
+        if not closing.startswith(end):
+            return None
+        closing = closing[len(end) :]
+    return prompt_ids + reply_ids + tokenizer.encode(closing + after[len(before) :], add_special_tokens=False)

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 
 from app.errors import ERROR_RESPONSES, install_error_handlers, install_openapi
 from app.front_door import FrontDoor
-from app.routes import chat, completions, health, models, streams
+from app.routes import chat, completions, health, models, playground, responses, streams
 from app.settings import Settings
 from app.state import ServerState, build_state
 
@@ -59,9 +59,11 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(models.router)
     app.include_router(streams.router)
     app.include_router(health.router)
+    app.include_router(playground.router)
     if settings.enable_fault_injection:
         app.include_router(health.debug_router)
     return app

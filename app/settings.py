@@ -83,6 +83,15 @@ class Settings(BaseSettings):
     before its stream backs up to the engine."""
     resume_window_seconds: float = Field(30.0, gt=0)
     """How long a resumable stream waits for its client to come back before it is cancelled."""
+    response_retention: float = Field(3600.0, gt=0)
+    """Seconds a stored response (`store: true` on /v1/responses) is kept: retrievable, resumable and
+    continuable with `previous_response_id`; after it those get 404."""
+    response_kv_ttl: float = Field(300.0, ge=0)
+    """Seconds a stored response's KV blocks stay pinned in the prefix cache after its last use, so a
+    follow-up computes only its new input; after it the next turn recomputes what was evicted."""
+    max_pinned_kv_fraction: float = Field(0.25, ge=0, le=0.9)
+    """Most of the KV pool pinned for stored responses; past it the oldest conversation loses its pin
+    first (running requests' blocks are never taken)."""
     shutdown_timeout: float = Field(25.0, ge=0)
     """On SIGTERM or SIGINT, how long running requests may take to finish before they are ended with
     an error event; new requests get 503 meanwhile. Keep it below Kubernetes'

@@ -15,6 +15,7 @@ from app.audit import AuditLog
 from app.errors import OpenAIError
 from app.metrics import Metrics
 from app.protocol import ServingLimits
+from app.responses import ResponseStore
 from app.resumable import StreamRegistry
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
@@ -36,6 +37,7 @@ class ServerState:
     model_name: str
     limits: ServingLimits
     streams: StreamRegistry
+    responses: ResponseStore
     api_keys: tuple[bytes, ...]
     admission: Admission
     metrics: Metrics
@@ -144,6 +146,8 @@ def build_state(settings: Settings) -> ServerState:
         enable_prefix_caching=settings.enable_prefix_caching,
         speculative=_speculative_config(settings),
         jump_forward=settings.jump_forward,
+        pinned_kv_seconds=settings.response_kv_ttl,
+        max_pinned_kv_fraction=settings.max_pinned_kv_fraction,
     )
     logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
     engine = Engine(loaded, config, draft_model)
@@ -161,6 +165,7 @@ def build_state(settings: Settings) -> ServerState:
             max_tokens_limit=settings.max_tokens_limit,
         ),
         streams=StreamRegistry(settings.resume_window_seconds),
+        responses=ResponseStore(settings.response_retention, engine.unpin),
         api_keys=load_api_keys(settings),
         admission=Admission(settings.max_queue, settings.max_num_seqs),
         metrics=Metrics(model_name, lambda: engine.stats),

@@ -97,6 +97,7 @@ class Generation:
         include_usage: bool,
         accounting: Callable[[str], Accounting] | None = None,
         parses_tools: bool = False,
+        completion_id: str | None = None,
     ) -> Generation:
         """Submit the request; `accounting`, given the completion id, makes its accounting."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -109,7 +110,7 @@ class Generation:
             include_usage=include_usage,
             channel=StreamChannel(asyncio.get_running_loop(), num_choices=params.n),
             token_bytes=engine.token_bytes,
-            completion_id=f"{prefix}-{uuid.uuid4().hex}",
+            completion_id=completion_id or f"{prefix}-{uuid.uuid4().hex}",
             parses_tools=parses_tools,
         )
         if accounting is not None:
@@ -181,7 +182,7 @@ class Generation:
         # The last choice to finish has seen the whole request through.
         last = max((c.timings for c in choices if c.timings), key=lambda t: t.ttft_ms + t.decode_ms, default=None)
         usage = self._usage(completion_tokens, max((c.timings.cached_tokens for c in choices if c.timings), default=0))
-        timings = _timings(last)
+        timings = timings_payload(last)
         if self.kind == "chat":
             chat_choices = [
                 ChatChoice(
@@ -268,7 +269,7 @@ class Generation:
         return prefix, suffix
 
     def _finish(self, chunk: Chunk, called: bool = False) -> str:
-        reason, timings = chunk.finish_reason.value, _timings(chunk.timings)
+        reason, timings = chunk.finish_reason.value, timings_payload(chunk.timings)
         if called and chunk.finish_reason == FinishReason.STOP:
             reason = "tool_calls"
         if self.kind == "chat":
@@ -344,7 +345,7 @@ class Generation:
         return [(*self._token(token_id), logprob) for token_id, logprob in entry.top]
 
 
-def _timings(timings: engine_channel.Timings | None) -> Timings | None:
+def timings_payload(timings: engine_channel.Timings | None) -> Timings | None:
     if timings is None:
         return None
     return Timings(

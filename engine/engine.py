@@ -53,6 +53,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Constrained requests append the tokens their grammar forces without sampling them.
     jump_forward: bool = True
+    # Stored conversations: how long a finished turn's KV stays pinned after its last use, and
+    # the most of the pool pins may hold (the oldest pin goes first past it).
+    pinned_kv_seconds: float = 300.0
+    max_pinned_kv_fraction: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class EngineStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     kv_blocks_cached: int
+    # Blocks held for stored conversations (counted in kv_blocks_used too).
+    kv_blocks_pinned: int
     # Prompt tokens looked up in the prefix cache, and how many it held.
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
@@ -87,6 +93,11 @@ class _AbortAll:
     message: str
 
 
+@dataclass(frozen=True)
+class _Unpin:
+    key: str
+
+
 _SHUTDOWN_MESSAGE = "the engine is shutting down"
 
 
@@ -96,7 +107,12 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, draft_model: PagedCausalLM | None = None) -> None:
         self.config = config
         self.token_bytes = loaded.token_bytes
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            max_pinned_blocks=int(config.num_kv_blocks * config.max_pinned_kv_fraction),
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -104,6 +120,7 @@ class Engine:
             max_model_len=config.max_model_len,
             eos_token_ids=loaded.eos_token_ids,
             max_unread_tokens=config.max_unread_tokens,
+            pin_seconds=config.pinned_kv_seconds,
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
@@ -118,6 +135,7 @@ class Engine:
         self._num_paused = 0
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
+        self._pins_checked = 0.0
         # (time, draft tokens, accepted tokens) at the last acceptance log line.
         self._acceptance_logged = (time.monotonic(), 0, 0)
         self.proposer: Proposer | None = None
@@ -171,6 +189,10 @@ class Engine:
         """End every request the engine holds now, at its next step, with an error chunk (drain timeout)."""
         self._inbox.put(_AbortAll(message))
 
+    def unpin(self, key: str) -> None:
+        """Release the KV blocks pinned under `key` (a deleted stored conversation), at the next step."""
+        self._inbox.put(_Unpin(key))
+
     def inject_fault(self) -> None:
         """Make the next step raise (for tests of the fault path)."""
         self._inbox.put(_FAULT)
@@ -217,6 +239,14 @@ class Engine:
             self.output.flush()
             self._stats = self._snapshot(alive=True)
             self._log_acceptance()
+            self._expire_pins()
+
+    def _expire_pins(self) -> None:
+        """At most once a second: release the pins whose conversations went unused too long."""
+        now = time.monotonic()
+        if now >= self._pins_checked + 1.0:
+            self._pins_checked = now
+            self.block_manager.expire_pins(now)
 
     def _log_acceptance(self) -> None:
         """Every 30 s of speculation, log what fraction of proposed tokens the target accepted."""
@@ -436,7 +466,14 @@ class Engine:
                     self._fault_pending = True
                 elif isinstance(item, _AbortAll):
                     self._fail_all(item.message)
+                elif isinstance(item, _Unpin):
+                    self.block_manager.unpin(item.key)
                 elif isinstance(item, Request):
+                    if item.params.continues:
+                        # Using a stored conversation keeps its KV for another full period.
+                        self.block_manager.extend_pin(
+                            item.params.continues, time.monotonic() + self.config.pinned_kv_seconds
+                        )
                     self.scheduler.add(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
@@ -467,6 +504,7 @@ class Engine:
             num_draft_tokens=self._num_draft_tokens,
             num_accepted_tokens=self._num_accepted_tokens,
             kv_blocks_cached=self.block_manager.num_cached,
+            kv_blocks_pinned=self.block_manager.num_pinned,
             num_prefix_query_tokens=self.block_manager.num_prefix_queries,
             num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
         )

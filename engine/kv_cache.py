@@ -23,9 +23,15 @@ class BlockManager:
     Registered blocks stay registered after their last user lets go: they sit in the free
     pool, in release order, and lose their registration only when handed out again, so
     the least recently released go first.
+
+    Pins keep a finished request's registered blocks out of the pool (a stored conversation
+    whose next turn should find its prefix): a pin holds one reference on each block until it
+    expires, is removed, or is the oldest when pins would pass `max_pinned_blocks`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_pinned_blocks: int = 0
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -39,6 +45,10 @@ class BlockManager:
         # Prompt tokens looked up in the cache at admission, and how many were found.
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.max_pinned_blocks = max_pinned_blocks
+        # key -> (blocks held, deadline), oldest pin first; and how many pins hold each block.
+        self._pins: OrderedDict[str, tuple[list[int], float]] = OrderedDict()
+        self._pinned: Counter[int] = Counter()
 
     @property
     def num_free(self) -> int:
@@ -47,6 +57,51 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return len(self._refs)
+
+    @property
+    def num_pinned(self) -> int:
+        """Distinct blocks held by pins."""
+        return len(self._pinned)
+
+    def pin(self, key: str, request: Request, deadline: float) -> bool:
+        """Hold `request`'s registered blocks under `key` until `deadline` (a time.monotonic() value).
+        Older pins are dropped first to stay within max_pinned_blocks; False if it cannot fit at all."""
+        blocks = request.block_table[: request.num_registered_blocks]
+        self.unpin(key)
+        new = len(set(blocks) - self._pinned.keys())
+        if not blocks or new > self.max_pinned_blocks:
+            return False
+        while self.num_pinned + new > self.max_pinned_blocks:
+            self.unpin(next(iter(self._pins)))
+            new = len(set(blocks) - self._pinned.keys())
+        for block_id in blocks:
+            self._refs[block_id] += 1
+            self._pinned[block_id] += 1
+        self._pins[key] = (list(blocks), deadline)
+        return True
+
+    def extend_pin(self, key: str, deadline: float) -> None:
+        if (pin := self._pins.get(key)) is not None:
+            self._pins[key] = (pin[0], max(pin[1], deadline))
+
+    def unpin(self, key: str) -> bool:
+        """Let go of a pin's blocks (they stay cached in the pool until handed out again)."""
+        pin = self._pins.pop(key, None)
+        if pin is None:
+            return False
+        for block_id in pin[0]:
+            self._pinned[block_id] -= 1
+            if not self._pinned[block_id]:
+                del self._pinned[block_id]
+            self._release(block_id)
+        return True
+
+    def expire_pins(self, now: float) -> int:
+        """Drop every pin whose deadline has passed; returns how many."""
+        expired = [key for key, (_, deadline) in self._pins.items() if deadline <= now]
+        for key in expired:
+            self.unpin(key)
+        return len(expired)
 
     @property
     def num_cached(self) -> int:
@@ -185,6 +240,7 @@ class BlockManager:
         if len(free) + len(self._refs) != self.num_blocks:
             raise AssertionError(f"free {len(free)} + used {len(self._refs)} != {self.num_blocks}")
         listed = Counter(block_id for request in requests for block_id in request.block_table)
+        listed.update(block_id for blocks, _ in self._pins.values() for block_id in blocks)
         if listed != Counter(self._refs):
             raise AssertionError(f"block tables list {dict(listed)}, but the pool counts {self._refs}")
 

@@ -73,6 +73,10 @@ class SamplingParams:
     speculative: bool = True
     # What the output must match (structured output, tool calls); None: free text.
     grammar: GrammarSpec | None = None
+    # Stored conversations: keep this request's KV blocks pinned under this key once it finishes
+    # (with stop or length), and the key of the pinned conversation this request continues.
+    keep_kv_as: str | None = None
+    continues: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         max_unread_tokens: int = 256,
+        pin_seconds: float = 0.0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -55,6 +56,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_unread_tokens = max_unread_tokens
+        self.pin_seconds = pin_seconds
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -208,9 +210,14 @@ class Scheduler:
             self.waiting.appendleft(child)
 
     def free(self, request: Request) -> None:
-        """Drop a finished request from the queues and return its KV blocks."""
+        """Drop a finished request from the queues and return its KV blocks (pinning them first
+        when it completed and asked to keep them)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        key = request.params.keep_kv_as
+        completed = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if key and completed and request.index == 0:
+            self.block_manager.pin(key, request, time.monotonic() + self.pin_seconds)
         self.block_manager.deallocate(request)

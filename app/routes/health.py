@@ -30,6 +30,7 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
         "kv_blocks_cached": stats.kv_blocks_cached,
+        "kv_blocks_pinned": stats.kv_blocks_pinned,
         "prefix_cache_query_tokens": stats.num_prefix_query_tokens,
         "prefix_cache_hit_tokens": stats.num_prefix_hit_tokens,
         "prefix_cache_hit_rate": round(stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens), 4),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -23,12 +23,16 @@ def read_events(response: httpx.Response) -> list[Event]:
 
 
 def parse_events(lines: Iterable[str]) -> list[Event]:
-    events: list[Event] = []
+    return list(iter_events(lines))
+
+
+def iter_events(lines: Iterable[str]) -> Iterator[Event]:
+    """Events as they arrive (`event:` names are not kept: payloads carry their type)."""
     event_id, data = None, []
     for line in lines:
         if line == "":
             if data:
-                events.append(Event(event_id, "\n".join(data)))
+                yield Event(event_id, "\n".join(data))
             event_id, data = None, []
         elif line.startswith(":"):
             continue
@@ -36,7 +40,6 @@ def parse_events(lines: Iterable[str]) -> list[Event]:
             event_id = line[3:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].lstrip(" "))
-    return events
 
 
 def stream_text(events: list[Event]) -> tuple[str, str | None]:

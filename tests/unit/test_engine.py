@@ -310,3 +310,27 @@ async def test_prefix_cache_hits_leave_outputs_exact(loaded):
             await wait_for(lambda: cached.stats.kv_blocks_used == 0)
         finally:
             cached.shutdown()
+
+
+async def test_a_kept_conversation_is_found_by_its_next_turn_until_unpinned_or_expired(loaded):
+    engine = tiny_engine(loaded, pinned_kv_seconds=0.3, max_pinned_kv_fraction=0.5)
+    engine.start()
+    try:
+        prompt = list(range(1, 30))
+        first = await collect(engine, prompt, SamplingParams(max_tokens=8, temperature=0.0, keep_kv_as="a"))
+        await wait_for(lambda: engine.stats.kv_blocks_pinned > 0)
+        assert engine.stats.kv_blocks_used == engine.stats.kv_blocks_pinned
+        follow_up = prompt + tokens_of(first) + [7, 7, 7]
+        second = await collect(engine, follow_up, SamplingParams(max_tokens=4, temperature=0.0, continues="a"))
+        # Every full block of the first turn came from its pin (block size 4).
+        assert second[-1].timings.cached_tokens == (len(prompt) + len(tokens_of(first)) - 1) // 4 * 4
+        engine.unpin("a")
+        await wait_for(lambda: engine.stats.kv_blocks_pinned == 0)
+        await collect(engine, prompt, SamplingParams(max_tokens=4, temperature=0.0, keep_kv_as="b"))
+        await wait_for(lambda: engine.stats.kv_blocks_pinned > 0)
+        # Unused for longer than its 0.3 s, the pin is let go (checked about once a second).
+        await wait_for(lambda: engine.stats.kv_blocks_pinned == 0, timeout=5)
+        assert engine.stats.kv_blocks_used == 0
+        engine.block_manager.check_integrity([])
+    finally:
+        engine.shutdown()

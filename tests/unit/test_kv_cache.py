@@ -110,3 +110,56 @@ def test_disabled_prefix_caching_never_hits():
     first = make_request(10)
     computed(manager, first, 10)
     assert manager.num_cached == 0 and manager.cached_prefix(make_request(10)) == []
+
+
+def _computed(manager, prompt_len, first_token=1):
+    """A request whose whole prompt is computed and registered."""
+    request = make_request(prompt_len, first_token=first_token)
+    manager.allocate(request, prompt_len)
+    request.num_computed_tokens = prompt_len
+    manager.register(request)
+    return request
+
+
+def test_a_pin_keeps_a_finished_requests_blocks_for_the_next_turn():
+    manager = BlockManager(num_blocks=12, block_size=4, max_pinned_blocks=6)
+    first = _computed(manager, 10)
+    assert manager.pin("conv", first, deadline=100.0)
+    pinned = first.block_table[:2]
+    manager.deallocate(first)
+    assert manager.num_pinned == 2 and manager.num_used == 2
+    manager.check_integrity([])
+    # Handing out every free block leaves the pinned ones in the cache.
+    filler = make_request(40, first_token=500)
+    manager.allocate(filler, 40)
+    assert manager.num_free == 0
+    follow_up = make_request(14)
+    assert manager.cached_prefix(follow_up) == pinned
+    manager.deallocate(filler)
+    manager.check_integrity([])
+    assert manager.expire_pins(now=99.0) == 0
+    assert manager.expire_pins(now=100.0) == 1
+    assert manager.num_pinned == 0 and manager.num_used == 0
+    manager.check_integrity([])
+
+
+def test_unpin_and_the_bound_release_the_oldest_pin_first():
+    manager = BlockManager(num_blocks=16, block_size=4, max_pinned_blocks=4)
+    a = _computed(manager, 8, first_token=1)
+    b = _computed(manager, 8, first_token=100)
+    assert manager.pin("a", a, 10.0) and manager.pin("b", b, 10.0)
+    c = _computed(manager, 8, first_token=200)
+    # A third pin would pass the bound: the oldest ("a") goes.
+    assert manager.pin("c", c, 10.0)
+    assert manager.num_pinned == 4
+    for request in (a, b, c):
+        manager.deallocate(request)
+    manager.check_integrity([])
+    assert not manager.unpin("a") and manager.unpin("b")
+    assert manager.num_pinned == 2
+    manager.extend_pin("c", 50.0)
+    assert manager.expire_pins(20.0) == 0 and manager.expire_pins(50.0) == 1
+    assert manager.num_used == 0
+    manager.check_integrity([])
+    too_big = _computed(manager, 24, first_token=300)
+    assert not manager.pin("big", too_big, 10.0)

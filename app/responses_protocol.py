@@ -1,0 +1,247 @@
+"""The Responses API's wire models: the request, the response object and its output items.
+
+Stream events are built from these in app/responses.py, each with its sequence number.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from app.errors import OpenAIError
+from app.protocol import ChatMessage, FunctionCall, ToolCall, _json_spec, _Request, _SamplingRequest
+from app.tools import Function, ToolUse, parameters_schema
+from engine.grammar import GrammarSpec
+
+
+class InputText(_Request):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageInput(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallInput(_Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputInput(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+def _item_type(item: Any) -> str:
+    # A message item may leave out its type, as `{"role": "user", "content": "hi"}`.
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[
+    Annotated[MessageInput, Tag("message")]
+    | Annotated[FunctionCallInput, Tag("function_call")]
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class TextFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(_SamplingRequest):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def _max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise OpenAIError(400, "n must be 1 on /v1/responses", param="n")
+        if isinstance(self.input, list) and not self.input:
+            raise OpenAIError(400, "input must not be empty", param="input")
+
+    def grammar(self) -> tuple[GrammarSpec, str] | None:
+        """`text.format` joins the chat constraints (at most one may be given)."""
+        other = super().grammar()
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return other
+        if other is not None:
+            raise OpenAIError(
+                400, f"only one output constraint may be given, got text.format and {other[1]}", param=other[1]
+            )
+        if fmt.type == "json_object":
+            return GrammarSpec.json_schema({"type": "object"}), "text.format"
+        if fmt.schema_ is None:
+            raise OpenAIError(400, "text.format of type json_schema needs a schema", param="text.format")
+        return _json_spec(fmt.schema_, "text.format"), "text.format"
+
+    def tool_use(self) -> ToolUse | None:
+        if self.tool_choice is not None and not self.tools:
+            raise OpenAIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+        if not self.tools or self.tool_choice == "none":
+            return None
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools: function names must be unique", param="tools")
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedFunctionChoice):
+            if choice.name not in names:
+                raise OpenAIError(
+                    400, f"tool_choice names the function {choice.name!r}, which is not in tools", param="tool_choice"
+                )
+            choice = choice.name
+        functions = tuple(Function(t.name, t.description, parameters_schema(t.parameters)) for t in self.tools)
+        return ToolUse(functions, choice, self.parallel_tool_calls)
+
+    def instruction_messages(self) -> list[ChatMessage]:
+        return [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+
+    def input_messages(self) -> list[ChatMessage]:
+        """The input as chat messages: function calls join the assistant turn before them, and
+        their outputs become tool messages."""
+        if isinstance(self.input, str):
+            return [ChatMessage(role="user", content=self.input)]
+        messages: list[ChatMessage] = []
+        for item in self.input:
+            if isinstance(item, MessageInput):
+                messages.append(ChatMessage(role=item.role, content=item.text()))
+            elif isinstance(item, FunctionCallInput):
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+                if messages and messages[-1].role == "assistant":
+                    messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+                else:
+                    messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+            else:
+                messages.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        return messages
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float
+    top_p: float
+    previous_response_id: str | None = None
+    store: bool
+    metadata: dict[str, str] = Field(default_factory=dict)
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tools: list[dict] = Field(default_factory=list)
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
+    # Extension, as on chat completions: where the time went (see app/protocol.py Timings).
+    timings: dict | None = Field(None, exclude_if=lambda value: value is None)
+
+    @property
+    def output_text(self) -> str:
+        return "".join(part.text for item in self.output if isinstance(item, OutputMessage) for part in item.content)
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True

@@ -1,0 +1,166 @@
+"""POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from fastapi import APIRouter, Depends, Query, Request
+from sse_starlette import EventSourceResponse
+
+from app.admission import admit, require_api_key
+from app.errors import OpenAIError
+from app.prompting import chat_prompt_ids, continuation_ids
+from app.responses import Conversation, ResponseRun, new_response_id
+from app.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
+from app.state import ServerState, get_state
+from app.streaming import Generation, event_stream
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _not_found(response_id: str) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"Response with id '{response_id}' not found: it was never stored, was deleted, or has expired.",
+        param="response_id",
+        code="response_not_found",
+    )
+
+
+@router.post("/v1/responses", response_model=None, dependencies=[Depends(admit)])
+async def create_response(
+    body: ResponsesRequest, request: Request, state: ServerState = Depends(get_state)
+) -> EventSourceResponse | ResponseObject:
+    state.check_model(body.model)
+    body.check()
+    tool_use = body.tool_use()
+    conversation = _conversation(body, state, tool_use)
+    grammar = body.grammar()
+    if tool_use is not None:
+        if grammar is not None and grammar[0].kind != "json_schema":
+            raise OpenAIError(400, f"{grammar[1]} cannot be combined with tools; use a JSON schema", param=grammar[1])
+        grammar = (tool_use.grammar(grammar[0] if grammar else None), "tools")
+    if grammar is not None:
+        await state.compile_grammar(*grammar)
+    response_id = new_response_id()
+    params = body.to_sampling_params(len(conversation.prompt_ids), state.limits, grammar[0] if grammar else None)
+    params = replace(params, keep_kv_as=response_id if body.store else None, continues=body.previous_response_id)
+    accounting = state.accounting_for(
+        request,
+        "/v1/responses",
+        body.stream,
+        len(conversation.prompt_ids),
+        1,
+        lambda: [m.model_dump(exclude_none=True) for m in conversation.messages],
+    )
+    generation = Generation.start(
+        state.engine,
+        "chat",
+        state.model_name,
+        conversation.prompt_ids,
+        params,
+        include_usage=False,
+        accounting=accounting,
+        completion_id=response_id,
+    )
+    response = ResponseObject(
+        id=response_id,
+        created_at=int(time.time()),
+        status="in_progress",
+        model=state.model_name,
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        previous_response_id=body.previous_response_id,
+        store=body.store,
+        metadata=body.metadata or {},
+        text=body.text.model_dump(by_alias=True, exclude_none=True) if body.text else {"format": {"type": "text"}},
+        tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+        tool_choice=(
+            body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunctionChoice) else body.tool_choice
+        )
+        or "auto",
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
+    run = ResponseRun(response, generation.channel, generation.accounting, conversation, tool_use is not None)
+    state.responses.start(run)
+    if not body.stream:
+        return await run.wait()
+    return event_stream(_events(run, after=-1, cancel_on_leave=not body.store), state.settings.keepalive_seconds)
+
+
+def _conversation(body: ResponsesRequest, state: ServerState, tool_use) -> Conversation:
+    """The turn's messages and prompt ids: a new conversation, or one continued from a stored response
+    (its own token ids plus the new input when the template allows, else the whole history re-rendered)."""
+    tokenizer = state.loaded.tokenizer
+    instructions = body.instruction_messages()
+    new = body.input_messages()
+    if body.previous_response_id is None:
+        prompt_ids = chat_prompt_ids(tokenizer, [*instructions, *new], tool_use)
+        return Conversation(body.instructions, tool_use, new, prompt_ids)
+    previous = state.responses.get(body.previous_response_id)
+    if previous is None or not previous.response.store:
+        raise _not_found(body.previous_response_id)
+    if not previous.done:
+        raise OpenAIError(400, "previous_response_id names a response still in progress", param="previous_response_id")
+    earlier = previous.conversation
+    history = earlier.with_reply()
+    prompt_ids = None
+    if earlier.instructions == body.instructions and earlier.tool_use == tool_use:
+        prompt_ids = continuation_ids(
+            tokenizer, earlier.prompt_ids, earlier.output_ids, [*instructions, *history], new, tool_use
+        )
+    if prompt_ids is None:
+        prompt_ids = chat_prompt_ids(tokenizer, [*instructions, *history, *new], tool_use)
+    return Conversation(body.instructions, tool_use, [*history, *new], prompt_ids)
+
+
+async def _events(run: ResponseRun, after: int, cancel_on_leave: bool):
+    try:
+        async for event in run.events(after):
+            yield event
+    finally:
+        if cancel_on_leave and not run.done:
+            run.cancel()
+
+
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def get_response(
+    response_id: str,
+    state: ServerState = Depends(get_state),
+    stream: bool = False,
+    starting_after: int | None = Query(None, ge=-1),
+) -> EventSourceResponse | ResponseObject:
+    run = state.responses.get(response_id)
+    if run is None or not run.response.store:
+        raise _not_found(response_id)
+    if not stream:
+        return run.response
+    after = -1 if starting_after is None else starting_after
+    if after >= run.num_events and run.done:
+        raise OpenAIError(
+            400,
+            f"starting_after must be below {run.num_events}, the number of events of this response",
+            param="starting_after",
+        )
+    return event_stream(_events(run, after, cancel_on_leave=False), state.settings.keepalive_seconds)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, state: ServerState = Depends(get_state)) -> DeletedResponse:
+    if not state.responses.delete(response_id):
+        raise _not_found(response_id)
+    return DeletedResponse(id=response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, state: ServerState = Depends(get_state)) -> ResponseObject:
+    """Stop a response in progress (its KV is freed at the engine's next step); a finished one is
+    returned as it is."""
+    run = state.responses.get(response_id)
+    if run is None:
+        raise _not_found(response_id)
+    run.cancel()
+    return await run.wait()

@@ -1,0 +1,119 @@
+"""The playground page in a real headless browser (Debian's chromium and chromium-driver, through
+selenium) against a real server: streaming, stop, reload mid-answer."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+if not (CHROMIUM and os.path.exists(CHROMEDRIVER)):
+    pytest.skip(
+        "no chromium and chromium-driver here: `make test` installs them from Debian's packages when run as root",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def page(browser, fp32_server):
+    browser.get(fp32_server + "/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(fp32_server + "/")
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text not in ("", "…"))
+    return browser
+
+
+def set_field(driver, field_id, value):
+    field = driver.find_element(By.ID, field_id)
+    field.clear()
+    field.send_keys(str(value))
+
+
+def ask(driver, text):
+    driver.find_element(By.ID, "prompt").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+def live_text(driver):
+    found = driver.find_elements(By.CSS_SELECTOR, "#live .text")
+    return found[0].text if found else None
+
+
+def answers(driver):
+    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".msg.assistant:not(#live) .text")]
+
+
+def idle(driver):
+    return driver.find_element(By.ID, "send").is_enabled()
+
+
+def test_a_prompt_streams_into_the_page_and_the_conversation_continues(page, fp32_server):
+    set_field(page, "max-tokens", 40)
+    set_field(page, "temperature", 0)
+    ask(page, "Name three colors.")
+    # Text shows up while the answer is still being generated.
+    WebDriverWait(page, 60, poll_frequency=0.05).until(lambda d: live_text(d))
+    WebDriverWait(page, 120).until(idle)
+    first = answers(page)
+    assert len(first) == 1 and first[0]
+    assert page.find_element(By.ID, "t-ttft").text.endswith("ms")
+    ask(page, "And three animals?")
+    WebDriverWait(page, 120).until(lambda d: idle(d) and len(answers(d)) == 2)
+    # The second turn continued the stored conversation: its prompt came largely from the cache.
+    assert int(page.find_element(By.ID, "t-cached").text) > 0
+    screenshot = os.environ.get("SLUICE_PLAYGROUND_SCREENSHOT")
+    if screenshot:
+        Path(screenshot).parent.mkdir(parents=True, exist_ok=True)
+        page.save_screenshot(screenshot)
+
+
+def test_stop_cancels_the_answer_and_the_server_frees_it(page, fp32_server):
+    set_field(page, "max-tokens", 2000)
+    ask(page, "Write a very long story about a lighthouse keeper and the sea.")
+    WebDriverWait(page, 60, poll_frequency=0.05).until(lambda d: live_text(d))
+    page.find_element(By.ID, "stop").click()
+    WebDriverWait(page, 60).until(idle)
+    assert answers(page)[-1].endswith("[stopped]")
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{fp32_server}/health").json()["num_running"]:
+        assert time.monotonic() < deadline, "the stopped request is still running"
+        time.sleep(0.1)
+
+
+def test_a_reload_mid_answer_resumes_the_stream(page, fp32_server):
+    set_field(page, "max-tokens", 120)
+    set_field(page, "temperature", 0)
+    ask(page, "Write a story about a dragon who learns to cook.")
+    WebDriverWait(page, 60, poll_frequency=0.05).until(lambda d: len(live_text(d) or "") > 20)
+    before = live_text(page)
+    page.refresh()
+    # After the reload the page picks the answer up where it was and carries on.
+    WebDriverWait(page, 120).until(lambda d: idle(d) and answers(d))
+    final = answers(page)[-1]
+    assert final.startswith(before) and len(final) > len(before)
+    # Exactly what the server generated, no more and no less.
+    response_id = page.execute_script("return JSON.parse(sessionStorage.getItem('sluice-playground')).previous")
+    assert final == httpx.get(f"{fp32_server}/v1/responses/{response_id}").json()["output"][0]["content"][0]["text"]
