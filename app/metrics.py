@@ -44,6 +44,11 @@ class _EngineCollector(Collector):
                 "Fraction of KV-cache blocks in use.",
                 stats.kv_blocks_used / stats.kv_blocks_total,
             ),
+            (
+                "kv_cache_pinned_perc",
+                "Fraction of KV-cache blocks pinned for stored responses (Sluice's own; in kv_cache_usage_perc too).",
+                stats.kv_blocks_pinned / stats.kv_blocks_total,
+            ),
         ):
             gauge = GaugeMetricFamily(f"sluice:{name}", doc, labels=["model_name"])
             gauge.add_metric(label, value)

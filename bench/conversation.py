@@ -14,6 +14,10 @@ long first message so the history is worth keeping):
 
 TTFT is measured at the client, from sending to the first text delta. Prints each
 turn's TTFT, input tokens and cached tokens, and the last turn side by side.
+
+With `--churn N`, N other requests with long distinct prompts run between turns, as other
+users' traffic would, and push unpinned blocks out of the prefix cache (give the servers a
+small `--kv-cache-gib` in `--flags` so that they must).
 """
 
 from __future__ import annotations
@@ -67,10 +71,19 @@ def stream_turn(client: httpx.Client, url: str, body: dict, delta_of) -> tuple[f
     return ttft or time.perf_counter() - start, "".join(text), last
 
 
-def responses_conversation(base: str, turns: int, max_tokens: int) -> list[dict]:
+def churn(client: httpx.Client, base: str, turn: int, count: int) -> None:
+    """Other users' requests: long prompts seen once, one token each."""
+    for i in range(count):
+        filler = " ".join(f"word{turn}x{i}x{j}" for j in range(150))
+        body = {"messages": [{"role": "user", "content": filler}], "max_tokens": 1}
+        client.post(f"{base}/v1/chat/completions", json=body).raise_for_status()
+
+
+def responses_conversation(base: str, turns: int, max_tokens: int, churns: int) -> list[dict]:
     rows, previous = [], None
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
+            churn(client, base, turn, churns)
             body = {
                 "input": first_message() if turn == 0 else QUESTIONS[(turn - 1) % len(QUESTIONS)],
                 "max_output_tokens": max_tokens,
@@ -97,10 +110,11 @@ def responses_conversation(base: str, turns: int, max_tokens: int) -> list[dict]
     return rows
 
 
-def chat_conversation(base: str, turns: int, max_tokens: int) -> list[dict]:
+def chat_conversation(base: str, turns: int, max_tokens: int, churns: int) -> list[dict]:
     rows, messages = [], []
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
+            churn(client, base, turn, churns)
             messages.append(
                 {"role": "user", "content": first_message() if turn == 0 else QUESTIONS[(turn - 1) % len(QUESTIONS)]}
             )
@@ -134,6 +148,7 @@ def main() -> None:
     parser.add_argument("--flags", default="", help="server flags for every server")
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--churn", type=int, default=0, help="other requests between turns")
     parser.add_argument("--out", type=Path, default=Path("bench/figures/conversation.json"))
     args = parser.parse_args()
 
@@ -146,7 +161,7 @@ def main() -> None:
     ):
         proc, base = spawn(flags)
         try:
-            results[mode] = converse(base, args.turns, args.max_tokens)
+            results[mode] = converse(base, args.turns, args.max_tokens, args.churn)
         finally:
             proc.terminate()
             proc.wait()
@@ -158,7 +173,7 @@ def main() -> None:
     last = {mode: rows[-1] for mode, rows in results.items()}
     print(f"turn {args.turns}: " + ", ".join(f"{mode} {row['ttft_ms']} ms" for mode, row in last.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"flags": args.flags, "results": results}, indent=2))
+    args.out.write_text(json.dumps({"flags": args.flags, "churn": args.churn, "results": results}, indent=2))
 
 
 if __name__ == "__main__":
