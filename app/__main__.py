@@ -8,11 +8,11 @@ import sys
 import uvicorn
 from pydantic_settings import CliApp
 
-from app.drain import DrainingServer
-from app.front_door import RequestIdLogFilter
+from app.operations.drain import DrainingServer
+from app.operations.front_door import RequestIdLogFilter
+from app.operations.transport import bounded_http_protocol
 from app.server import create_app
 from app.settings import Settings
-from app.transport import bounded_http_protocol
 
 
 def main() -> None:

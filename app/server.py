@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.errors import ERROR_RESPONSES, install_error_handlers, install_openapi
-from app.front_door import FrontDoor
+from app.operations.front_door import FrontDoor
 from app.routes import chat, completions, health, models, playground, responses, streams
 from app.settings import Settings
 from app.state import ServerState, build_state

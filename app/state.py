@@ -9,20 +9,20 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from app.accounting import Accounting, RequestContext
-from app.admission import Admission, load_api_keys
-from app.audit import AuditLog
 from app.errors import OpenAIError
-from app.metrics import Metrics
-from app.protocol import ServingLimits
-from app.responses import ResponseStore
-from app.resumable import StreamRegistry
+from app.operations.accounting import Accounting, RequestContext
+from app.operations.admission import Admission, load_api_keys
+from app.operations.audit import AuditLog
+from app.operations.metrics import Metrics
+from app.serving.protocol import ServingLimits
+from app.serving.responses import ResponseStore
+from app.serving.resumable import StreamRegistry
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
-from engine.grammar import GrammarError, GrammarSpec
-from engine.host_memory import keep_freed_memory
-from engine.loader import LoadedModel, load_model
-from engine.model import PagedCausalLM
+from engine.model.causal_lm import PagedCausalLM
+from engine.model.host_memory import keep_freed_memory
+from engine.model.loader import LoadedModel, load_model
+from engine.sampling.grammar import GrammarError, GrammarSpec
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from app.state import ServerState, build_state  # noqa: E402
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from engine.model_runner import Logits, Segment  # noqa: E402
+from engine.model.runner import Logits, Segment  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 
 T = TypeVar("T")

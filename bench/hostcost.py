@@ -57,7 +57,7 @@ def tiny_model_folder(cache_dir: Path) -> Path:
         return folder
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.loader import convert_gguf, default_model_gguf
+    from engine.model.loader import convert_gguf, default_model_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_gguf(), cache_dir))
     config = LlamaConfig(

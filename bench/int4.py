@@ -26,7 +26,7 @@ from app.settings import Settings  # noqa: E402
 from app.state import build_state  # noqa: E402
 from bench.engine import raw_forward  # noqa: E402
 from bench.serve import default_model  # noqa: E402
-from engine.quant import Int4Weight  # noqa: E402
+from engine.model.quant import Int4Weight  # noqa: E402
 
 
 def speed(batches: list[int], steps: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.request import FinishReason
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 
 
 @dataclass(frozen=True)

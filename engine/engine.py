@@ -15,16 +15,16 @@ import torch
 
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from engine.grammar import GrammarCompiler, MaskComputer, StepMasks
 from engine.kv_cache import BlockManager, KVCache
-from engine.loader import LoadedModel
-from engine.model import PagedCausalLM
-from engine.model_runner import ModelRunner
+from engine.model.causal_lm import PagedCausalLM
+from engine.model.loader import LoadedModel
+from engine.model.runner import ModelRunner
 from engine.output import OutputProcessor
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.sampler import Sampler, TokenLogprob
+from engine.sampling.grammar import GrammarCompiler, MaskComputer, StepMasks
+from engine.sampling.sampler import Sampler, TokenLogprob
+from engine.sampling.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
 from engine.scheduler import Scheduler, StepPlan
-from engine.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
 
 logger = logging.getLogger(__name__)
 

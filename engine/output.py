@@ -11,7 +11,7 @@ import time
 
 from engine.channel import Chunk, Outbox, Timings
 from engine.request import FinishReason, Request, RequestStatus
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 from engine.scheduler import Scheduler
 
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 
-from engine.draws import request_key
+from engine.sampling.draws import request_key
 
 if TYPE_CHECKING:
     from engine.channel import StreamChannel
     from engine.detokenizer import IncrementalDetokenizer, StopMatcher
-    from engine.grammar import Constraint, GrammarSpec
-    from engine.sampler import TokenLogprob
+    from engine.sampling.grammar import Constraint, GrammarSpec
+    from engine.sampling.sampler import TokenLogprob
 
 
 class FinishReason(str, Enum):
@@ -117,7 +117,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # An error message, set only with FINISHED_ERROR.
     error: str | None = None
-    # Keys this choice's random draws (engine/draws.py): from the seed, or random without one.
+    # Keys this choice's random draws (engine/sampling/draws.py): from the seed, or random without one.
     rng_key: int = field(init=False, default=0)
     # Choices still to be forked off this one once its prompt is prefilled (n > 1).
     num_pending_forks: int = field(init=False, default=0)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from app.admission import admit, require_api_key
 from app.errors import OpenAIError
-from app.prompting import chat_prompt_ids
-from app.protocol import ChatCompletion, ChatCompletionRequest
+from app.operations.admission import admit, require_api_key
+from app.serving.prompting import chat_prompt_ids
+from app.serving.protocol import ChatCompletion, ChatCompletionRequest
+from app.serving.streaming import Generation, event_stream
 from app.state import ServerState, get_state
-from app.streaming import Generation, event_stream
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from app.admission import admit, require_api_key
-from app.prompting import text_prompt_ids
-from app.protocol import Completion, CompletionRequest
+from app.operations.admission import admit, require_api_key
+from app.serving.prompting import text_prompt_ids
+from app.serving.protocol import Completion, CompletionRequest
+from app.serving.streaming import Generation, event_stream
 from app.state import ServerState, get_state
-from app.streaming import Generation, event_stream
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.admission import authenticate
-from app.metrics import CONTENT_TYPE
+from app.operations.admission import authenticate
+from app.operations.metrics import CONTENT_TYPE
 from app.state import ServerState, get_state
 
 router = APIRouter()

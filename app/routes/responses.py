@@ -8,13 +8,13 @@ from dataclasses import replace
 from fastapi import APIRouter, Depends, Query, Request
 from sse_starlette import EventSourceResponse
 
-from app.admission import admit, require_api_key
 from app.errors import OpenAIError
-from app.prompting import chat_prompt_ids, continuation_ids
-from app.responses import Conversation, ResponseRun, new_response_id
-from app.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
+from app.operations.admission import admit, require_api_key
+from app.serving.prompting import chat_prompt_ids, continuation_ids
+from app.serving.responses import Conversation, ResponseRun, new_response_id
+from app.serving.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
+from app.serving.streaming import Generation, event_stream
 from app.state import ServerState, get_state
-from app.streaming import Generation, event_stream
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

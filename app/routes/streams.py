@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Header
 from sse_starlette import EventSourceResponse
 
-from app.admission import require_api_key
 from app.errors import OpenAIError
+from app.operations.admission import require_api_key
+from app.serving.streaming import event_stream
 from app.state import ServerState, get_state
-from app.streaming import event_stream
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from engine.engine import Engine, EngineConfig
-from engine.loader import LoadedModel
-from engine.model import PagedCausalLM
+from engine.model.causal_lm import PagedCausalLM
+from engine.model.loader import LoadedModel
 from engine.request import Request, SamplingParams
 
 TINY_VOCAB = 512

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from engine.loader import load_model, resolve_dtype
-from engine.model import UnsupportedModelError
+from engine.model.causal_lm import UnsupportedModelError
+from engine.model.loader import load_model, resolve_dtype
 from tests.unit.helpers import tiny_hf_model
 
 
@@ -39,7 +39,7 @@ def test_explicit_dtype_wins_and_cuda_defaults_to_bf16():
 def test_mistral_context_is_capped_at_its_sliding_window():
     from transformers import MistralConfig
 
-    from engine.loader import _context_length
+    from engine.model.loader import _context_length
 
     config = MistralConfig(max_position_embeddings=32768, sliding_window=4096)
     assert _context_length(config) == 4096

@@ -3,7 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
-from app.responses import ResponseStore
+from app.serving.responses import ResponseStore
 
 
 class _Run:

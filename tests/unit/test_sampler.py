@@ -3,7 +3,7 @@ import math
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sampler import BLOCK, Sampler
+from engine.sampling.sampler import BLOCK, Sampler
 from tests.unit.helpers import make_request
 
 

@@ -3,7 +3,7 @@
 import json
 import random
 
-from app.tools import ArgumentsDelta, CallStarted, Content, Function, ToolCallParser, ToolUse
+from app.serving.tools import ArgumentsDelta, CallStarted, Content, Function, ToolCallParser, ToolUse
 
 CALLS = (
     'Let me check.<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","when":{"day":"mon"}}}\n</tool_call>'

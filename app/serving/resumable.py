@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from app.streaming import Generation, sse_event
+from app.serving.streaming import Generation, sse_event
 
 
 class ResumableStream:

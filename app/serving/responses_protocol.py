@@ -1,6 +1,6 @@
 """The Responses API's wire models: the request, the response object and its output items.
 
-Stream events are built from these in app/responses.py, each with its sequence number.
+Stream events are built from these in app/serving/responses.py, each with its sequence number.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.errors import OpenAIError
-from app.protocol import ChatMessage, FunctionCall, ToolCall, _json_spec, _Request, _SamplingRequest
-from app.tools import Function, ToolUse, parameters_schema
-from engine.grammar import GrammarSpec
+from app.serving.protocol import ChatMessage, FunctionCall, ToolCall, _json_spec, _Request, _SamplingRequest
+from app.serving.tools import Function, ToolUse, parameters_schema
+from engine.sampling.grammar import GrammarSpec
 
 
 class InputText(_Request):
@@ -233,7 +233,7 @@ class ResponseObject(BaseModel):
     tools: list[dict] = Field(default_factory=list)
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
-    # Extension, as on chat completions: where the time went (see app/protocol.py Timings).
+    # Extension, as on chat completions: where the time went (see app/serving/protocol.py Timings).
     timings: dict | None = Field(None, exclude_if=lambda value: value is None)
 
     @property

@@ -9,7 +9,7 @@ is below top_p, otherwise the floor rises past it and the row draws again. Every
 path is exact.
 
 Each draw is a counter-based uniform keyed by the request and the token's position
-(engine/draws.py), and every per-row reduction runs in an order fixed by the row
+(engine/sampling/draws.py), and every per-row reduction runs in an order fixed by the row
 alone, so a seeded request gives the same tokens whoever shares its batch.
 """
 
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.draws import uniforms
-from engine.grammar import RowMask
 from engine.request import Request
+from engine.sampling.draws import uniforms
+from engine.sampling.grammar import RowMask
 
 # Tokens per block of the two-level draw.
 BLOCK = 256

@@ -18,13 +18,13 @@ from typing import Protocol
 
 import torch
 
-from engine.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
-from engine.grammar import RowMask
 from engine.kv_cache import BlockManager
-from engine.model import PagedCausalLM
-from engine.model_runner import Logits, ModelRunner, Segment
+from engine.model.causal_lm import PagedCausalLM
+from engine.model.runner import Logits, ModelRunner, Segment
 from engine.request import Request
-from engine.sampler import TokenLogprob, apply_penalties, draw, probabilities, token_logprobs
+from engine.sampling.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
+from engine.sampling.grammar import RowMask
+from engine.sampling.sampler import TokenLogprob, apply_penalties, draw, probabilities, token_logprobs
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from typing import Literal
 
 from sse_starlette import EventSourceResponse
 
-from app.accounting import Accounting
 from app.errors import OpenAIError, error_body
-from app.protocol import (
+from app.operations.accounting import Accounting
+from app.serving.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -40,13 +40,13 @@ from app.protocol import (
     TopLogprob,
     Usage,
 )
-from app.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser
+from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser
 from engine import channel as engine_channel
 from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import TokenBytes
 from engine.engine import Engine
 from engine.request import FinishReason, SamplingParams
-from engine.sampler import TokenLogprob
+from engine.sampling.sampler import TokenLogprob
 
 Kind = Literal["chat", "text"]
 

@@ -3,7 +3,7 @@
 Tools reach the model through its template when the template knows them; otherwise
 their definitions join the system prompt, earlier calls are written back as the model
 writes them, and tool results come back in a user turn, all in the Hermes format
-(app/tools.py).
+(app/serving/tools.py).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import json
 from transformers import PreTrainedTokenizerBase
 
 from app.errors import OpenAIError
-from app.protocol import ChatMessage
-from app.tools import ToolUse, render_call, render_result
+from app.serving.protocol import ChatMessage
+from app.serving.tools import ToolUse, render_call, render_result
 
 # Templates written before the "developer" role know it as "system".
 _ROLE_ALIASES = {"developer": "system"}

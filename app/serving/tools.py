@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.grammar import JSON_DEFAULTS, GrammarSpec
+from engine.sampling.grammar import JSON_DEFAULTS, GrammarSpec
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"

@@ -7,9 +7,9 @@ import copy
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
-from engine.quant import Int4Weight
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.quant import Int4Weight
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 

@@ -7,9 +7,9 @@ from enum import Enum
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
 from engine.kv_cache import KVCache
-from engine.model import PagedCausalLM
+from engine.model.attention import AttentionMetadata, PrefillChunk
+from engine.model.causal_lm import PagedCausalLM
 from engine.request import Request
 from engine.scheduler import StepPlan
 

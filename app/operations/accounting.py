@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.audit import AuditLog, AuditRecord
-from app.metrics import Metrics
+from app.operations.audit import AuditLog, AuditRecord
+from app.operations.metrics import Metrics
 from engine.channel import Chunk
 from engine.request import FinishReason
 

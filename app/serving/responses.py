@@ -18,9 +18,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from app.accounting import Accounting
-from app.protocol import ChatMessage, FunctionCall, ToolCall
-from app.responses_protocol import (
+from app.operations.accounting import Accounting
+from app.serving.protocol import ChatMessage, FunctionCall, ToolCall
+from app.serving.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,
     OutputFunctionCall,
@@ -30,8 +30,8 @@ from app.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from app.streaming import timings_payload
-from app.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser, ToolUse
+from app.serving.streaming import timings_payload
+from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser, ToolUse
 from engine.channel import Chunk, StreamChannel
 from engine.request import FinishReason
 

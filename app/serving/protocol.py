@@ -10,9 +10,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from app.errors import OpenAIError
-from app.tools import Function, ToolUse, parameters_schema
-from engine.grammar import GrammarSpec
+from app.serving.tools import Function, ToolUse, parameters_schema
 from engine.request import SamplingParams
+from engine.sampling.grammar import GrammarSpec
 
 
 class _Request(BaseModel):

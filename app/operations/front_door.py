@@ -23,7 +23,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError, error_response
-from app.metrics import Metrics
+from app.operations.metrics import Metrics
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"[\x21-\x7e]{1,128}")

@@ -16,8 +16,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
 
 from engine.detokenizer import TokenBytes  # noqa: E402
-from engine.model import PagedCausalLM  # noqa: E402
-from engine.quant import int4_copies, int4_supported  # noqa: E402
+from engine.model.causal_lm import PagedCausalLM  # noqa: E402
+from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

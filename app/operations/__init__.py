@@ -1,0 +1,1 @@
+"""What stands in front of the API: admission, keys, drain, metrics, accounting, audit, transport."""

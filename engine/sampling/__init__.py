@@ -1,0 +1,1 @@
+"""From logits to tokens: the sampler, its random draws, grammars and speculative decoding."""
