@@ -222,6 +222,7 @@ class ResponseRun:
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         elif status == "failed":
             response.error = ResponseError(code="server_error", message=terminal.error or "generation failed")
+            self._emit("error", code=response.error.code, message=response.error.message, param=None)
         elif status == "cancelled":
             response.error = ResponseError(code="cancelled", message="the response was cancelled")
         timings = terminal.timings if terminal is not None else None

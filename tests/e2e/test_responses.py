@@ -2,6 +2,7 @@
 resume, cancel and delete."""
 
 import json
+import time
 
 import httpx
 import openai
@@ -163,11 +164,16 @@ def test_structured_output_and_function_tools(client, model):
             "required": ["city"],
         },
     }
-    called = client.responses.create(
-        model=model, input="Weather in Oslo?", tools=[tool], tool_choice="required", max_output_tokens=60
-    )
+    one_call = dict(tools=[tool], tool_choice="required", parallel_tool_calls=False, max_output_tokens=60)
+    one_call["temperature"] = 0
+    called = client.responses.create(model=model, input="Weather in Oslo?", **one_call)
+    assert called.status == "completed"
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and "city" in json.loads(calls[0].arguments)
+    with client.responses.stream(model=model, input="Weather in Oslo?", **one_call) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        streamed = [item for item in stream.get_final_response().output if item.type == "function_call"]
+    assert "".join(deltas) == streamed[0].arguments == calls[0].arguments
     answer = client.responses.create(
         model=model,
         previous_response_id=called.id,
@@ -175,3 +181,23 @@ def test_structured_output_and_function_tools(client, model):
         max_output_tokens=20,
     )
     assert answer.status in ("completed", "incomplete")
+
+
+def test_an_engine_failure_ends_the_stream_with_error_and_response_failed(server, health):
+    body = {"input": "Write a long essay.", "max_output_tokens": 2000, "ignore_eos": True, "stream": True}
+    # Not stored: nothing of it stays pinned on the shared server.
+    body["store"] = False
+    with httpx.stream("POST", f"{server}/v1/responses", json=body, timeout=120) as stream:
+        events = iter_events(stream.iter_lines())
+        assert next(events).json()["type"] == "response.created"
+        deadline = time.monotonic() + 30
+        while health()["num_running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(f"{server}/debug/fault").status_code == 200
+        rest = [e.json() for e in events]
+    error, failed = rest[-2], rest[-1]
+    assert error["type"] == "error" and "injected fault" in error["message"] and error["code"] == "server_error"
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"] == error["message"]
+    assert health()["num_running"] == 0
