@@ -117,3 +117,28 @@ def test_a_reload_mid_answer_resumes_the_stream(page, fp32_server):
     # Exactly what the server generated, no more and no less.
     response_id = page.execute_script("return JSON.parse(sessionStorage.getItem('sluice-playground')).previous")
     assert final == httpx.get(f"{fp32_server}/v1/responses/{response_id}").json()["output"][0]["content"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server(default_model_path):
+    from tests.e2e.conftest import BATCH_INVARIANT, _serve
+
+    yield from _serve(*BATCH_INVARIANT, "--api-key", "playground-key")
+
+
+def test_the_page_asks_for_an_api_key_when_the_server_needs_one(browser, keyed_server):
+    browser.get(keyed_server + "/")
+    browser.execute_script("sessionStorage.clear(); localStorage.clear()")
+    browser.get(keyed_server + "/")
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "api-key").is_displayed())
+    assert browser.find_element(By.ID, "model").text == "API key needed"
+    key = browser.find_element(By.ID, "api-key")
+    key.send_keys("playground-key")
+    # Leaving the field commits the key; the page then reads the model list with it.
+    browser.find_element(By.ID, "prompt").click()
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text not in ("", "…", "API key needed"))
+    set_field(browser, "max-tokens", 16)
+    ask(browser, "Hello!")
+    WebDriverWait(browser, 120).until(lambda d: idle(d) and answers(d))
+    assert answers(browser)[-1]
+    browser.execute_script("localStorage.clear()")
