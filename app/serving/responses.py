@@ -62,10 +62,6 @@ class Conversation:
     output_text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def with_reply(self) -> list[ChatMessage]:
         """The messages including this turn's reply."""
         content = self.output_text
@@ -294,10 +290,6 @@ class ResponseStore:
         entry[0].cancel()
         self._unpin(response_id)
         return True
-
-    def cancel_all(self) -> None:
-        for run, _ in self._runs.values():
-            run.cancel()
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -236,10 +236,6 @@ class ResponseObject(BaseModel):
     # Extension, as on chat completions: where the time went (see app/serving/protocol.py Timings).
     timings: dict | None = Field(None, exclude_if=lambda value: value is None)
 
-    @property
-    def output_text(self) -> str:
-        return "".join(part.text for item in self.output if isinstance(item, OutputMessage) for part in item.content)
-
 
 class DeletedResponse(BaseModel):
     id: str
