@@ -17,6 +17,7 @@ from app.operations.metrics import Metrics
 from app.serving.protocol import ServingLimits
 from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry
+from app.serving.tools import ToolUse
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
 from engine.model.causal_lm import PagedCausalLM
@@ -80,13 +81,25 @@ class ServerState:
 
         return start
 
-    async def compile_grammar(self, spec: GrammarSpec, param: str) -> None:
-        """Compile (or find cached) the grammar a request's output must match, off the event loop;
-        400 naming `param` when it does not compile."""
+    async def output_grammar(
+        self, requested: tuple[GrammarSpec, str] | None, tool_use: ToolUse | None = None
+    ) -> GrammarSpec | None:
+        """The grammar a request's output must match: its own constraint (and the parameter that set
+        it), or with tools the grammar of calls, whose text alternative may be a JSON constraint.
+        Compiled (or found cached) off the event loop; 400 naming the parameter when it does not compile."""
+        if tool_use is not None:
+            if requested is not None and requested[0].kind != "json_schema":
+                param = requested[1]
+                raise OpenAIError(400, f"{param} cannot be combined with tools; use a JSON schema", param=param)
+            requested = (tool_use.grammar(requested[0] if requested else None), "tools")
+        if requested is None:
+            return None
+        spec, param = requested
         try:
             await run_in_threadpool(self.engine.grammars.compile, spec)
         except GrammarError as exc:
             raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
+        return spec
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, self.model_name, str(self.loaded.path)):

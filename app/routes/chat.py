@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
-from app.errors import OpenAIError
 from app.operations.admission import admit, require_api_key
 from app.serving.prompting import chat_prompt_ids
 from app.serving.protocol import ChatCompletion, ChatCompletionRequest
@@ -22,14 +21,8 @@ async def create_chat_completion(
     state.check_model(body.model)
     tool_use = body.tool_use()
     prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages, tool_use)
-    grammar = body.grammar()
-    if tool_use is not None:
-        if grammar is not None and grammar[0].kind != "json_schema":
-            raise OpenAIError(400, f"{grammar[1]} cannot be combined with tools; use a JSON schema", param=grammar[1])
-        grammar = (tool_use.grammar(grammar[0] if grammar else None), "tools")
-    if grammar is not None:
-        await state.compile_grammar(*grammar)
-    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar[0] if grammar else None)
+    grammar = await state.output_grammar(body.grammar(), tool_use)
+    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar)
     accounting = state.accounting_for(
         request,
         "/v1/chat/completions",

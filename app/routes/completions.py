@@ -21,10 +21,8 @@ async def create_completion(
     state.check_model(body.model)
     prompt = body.single_prompt()
     prompt_ids = text_prompt_ids(state.loaded.tokenizer, prompt)
-    grammar = body.grammar()
-    if grammar is not None:
-        await state.compile_grammar(*grammar)
-    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar[0] if grammar else None)
+    grammar = await state.output_grammar(body.grammar())
+    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar)
     accounting = state.accounting_for(
         request, "/v1/completions", body.stream, len(prompt_ids), params.n, lambda: prompt
     )

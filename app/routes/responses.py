@@ -36,15 +36,9 @@ async def create_response(
     body.check()
     tool_use = body.tool_use()
     conversation = _conversation(body, state, tool_use)
-    grammar = body.grammar()
-    if tool_use is not None:
-        if grammar is not None and grammar[0].kind != "json_schema":
-            raise OpenAIError(400, f"{grammar[1]} cannot be combined with tools; use a JSON schema", param=grammar[1])
-        grammar = (tool_use.grammar(grammar[0] if grammar else None), "tools")
-    if grammar is not None:
-        await state.compile_grammar(*grammar)
+    grammar = await state.output_grammar(body.grammar(), tool_use)
     response_id = new_response_id()
-    params = body.to_sampling_params(len(conversation.prompt_ids), state.limits, grammar[0] if grammar else None)
+    params = body.to_sampling_params(len(conversation.prompt_ids), state.limits, grammar)
     params = replace(params, keep_kv_as=response_id if body.store else None, continues=body.previous_response_id)
     accounting = state.accounting_for(
         request,

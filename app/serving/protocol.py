@@ -53,15 +53,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
     def grammar(self) -> GrammarSpec | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return GrammarSpec.json_schema({"type": "object"})
-        if self.json_schema is None or self.json_schema.schema_ is None:
-            raise OpenAIError(
-                400, "response_format of type json_schema needs json_schema.schema", param="response_format"
-            )
-        return GrammarSpec.json_schema(self.json_schema.schema_)
+        return format_grammar(self.type, self.json_schema.schema_ if self.json_schema else None, "response_format")
 
 
 class StructuredOutputs(_Request):
@@ -79,13 +71,24 @@ class StructuredOutputs(_Request):
             *([GrammarSpec("regex", self.regex)] if self.regex is not None else []),
             *([GrammarSpec.choice(self.choice)] if self.choice is not None else []),
             *([GrammarSpec("grammar", self.grammar)] if self.grammar is not None else []),
-            *([GrammarSpec.json_schema({"type": "object"})] if self.json_object else []),
+            *([format_grammar("json_object", None, param)] if self.json_object else []),
         ]
         if len(found) != 1:
             raise OpenAIError(
                 400, f"{param} needs exactly one of json, regex, choice, grammar, json_object", param=param
             )
         return found[0]
+
+
+def format_grammar(kind: str, schema: dict | bool | None, param: str) -> GrammarSpec | None:
+    """The grammar of an output format (chat's `response_format`, Responses' `text.format`)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_schema({"type": "object"})
+    if schema is None:
+        raise OpenAIError(400, f"{param} of type json_schema needs a schema", param=param)
+    return _json_spec(schema, param)
 
 
 def _json_spec(schema: dict | bool | str, param: str) -> GrammarSpec:
@@ -261,6 +264,23 @@ class FunctionDefinition(_Request):
     strict: bool | None = None
 
 
+def resolve_tool_use(
+    functions: list[FunctionDefinition] | None, choice: object, named: str | None, parallel: bool
+) -> ToolUse | None:
+    """What a request's `tools` and `tool_choice` allow (`named`: the function a named choice names)."""
+    if choice is not None and not functions:
+        raise OpenAIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+    if not functions or choice == "none":
+        return None
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise OpenAIError(400, "tools: function names must be unique", param="tools")
+    if named is not None and named not in names:
+        raise OpenAIError(400, f"tool_choice names the function {named!r}, which is not in tools", param="tool_choice")
+    offered = tuple(Function(f.name, f.description, parameters_schema(f.parameters)) for f in functions)
+    return ToolUse(offered, named or choice or "auto", parallel)
+
+
 class ToolDefinition(_Request):
     type: Literal["function"]
     function: FunctionDefinition
@@ -308,27 +328,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def tool_use(self) -> ToolUse | None:
         """The tools the model may call on this request; None when it answers in text only."""
-        if self.tool_choice is not None and not self.tools:
-            raise OpenAIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
-        if not self.tools or self.tool_choice == "none":
-            return None
-        names = [t.function.name for t in self.tools]
-        if len(set(names)) != len(names):
-            raise OpenAIError(400, "tools: function names must be unique", param="tools")
-        choice = self.tool_choice or "auto"
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in names:
-                raise OpenAIError(
-                    400,
-                    f"tool_choice names the function {choice.function.name!r}, which is not in tools",
-                    param="tool_choice",
-                )
-            choice = choice.function.name
-        functions = tuple(
-            Function(t.function.name, t.function.description, parameters_schema(t.function.parameters))
-            for t in self.tools
-        )
-        return ToolUse(functions, choice, self.parallel_tool_calls)
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        functions = [t.function for t in self.tools] if self.tools else None
+        return resolve_tool_use(functions, self.tool_choice, named, self.parallel_tool_calls)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

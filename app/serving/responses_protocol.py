@@ -10,8 +10,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from app.errors import OpenAIError
-from app.serving.protocol import ChatMessage, FunctionCall, ToolCall, _json_spec, _Request, _SamplingRequest
-from app.serving.tools import Function, ToolUse, parameters_schema
+from app.serving.protocol import (
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    ToolCall,
+    _Request,
+    _SamplingRequest,
+    format_grammar,
+    resolve_tool_use,
+)
+from app.serving.tools import ToolUse
 from engine.sampling.grammar import GrammarSpec
 
 
@@ -69,12 +78,10 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """Responses' flat shape: the function's fields beside its type."""
+
     type: Literal["function"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunctionChoice(_Request):
@@ -113,29 +120,11 @@ class ResponsesRequest(_SamplingRequest):
             raise OpenAIError(
                 400, f"only one output constraint may be given, got text.format and {other[1]}", param=other[1]
             )
-        if fmt.type == "json_object":
-            return GrammarSpec.json_schema({"type": "object"}), "text.format"
-        if fmt.schema_ is None:
-            raise OpenAIError(400, "text.format of type json_schema needs a schema", param="text.format")
-        return _json_spec(fmt.schema_, "text.format"), "text.format"
+        return format_grammar(fmt.type, fmt.schema_, "text.format"), "text.format"
 
     def tool_use(self) -> ToolUse | None:
-        if self.tool_choice is not None and not self.tools:
-            raise OpenAIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
-        if not self.tools or self.tool_choice == "none":
-            return None
-        names = [t.name for t in self.tools]
-        if len(set(names)) != len(names):
-            raise OpenAIError(400, "tools: function names must be unique", param="tools")
-        choice = self.tool_choice or "auto"
-        if isinstance(choice, NamedFunctionChoice):
-            if choice.name not in names:
-                raise OpenAIError(
-                    400, f"tool_choice names the function {choice.name!r}, which is not in tools", param="tool_choice"
-                )
-            choice = choice.name
-        functions = tuple(Function(t.name, t.description, parameters_schema(t.parameters)) for t in self.tools)
-        return ToolUse(functions, choice, self.parallel_tool_calls)
+        named = self.tool_choice.name if isinstance(self.tool_choice, NamedFunctionChoice) else None
+        return resolve_tool_use(self.tools, self.tool_choice, named, self.parallel_tool_calls)
 
     def instruction_messages(self) -> list[ChatMessage]:
         return [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
