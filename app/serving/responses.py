@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from app.operations.accounting import Accounting
+from app.serving.event_log import EventLog
 from app.serving.protocol import ChatMessage, FunctionCall, ToolCall
 from app.serving.responses_protocol import (
     IncompleteDetails,
@@ -86,11 +87,8 @@ class ResponseRun:
         self.channel = channel
         self.accounting = accounting
         self.conversation = conversation
-        self.done = False
         self._parser = ToolCallParser() if parses_tools else None
-        self._events: list[bytes] = []
-        self._grew = asyncio.Event()
-        self._finished = asyncio.Event()
+        self._log: EventLog[bytes] = EventLog()
         self._open: OutputMessage | OutputFunctionCall | None = None
 
     @property
@@ -99,7 +97,11 @@ class ResponseRun:
 
     @property
     def num_events(self) -> int:
-        return len(self._events)
+        return len(self._log)
+
+    @property
+    def done(self) -> bool:
+        return self._log.done
 
     async def run(self) -> None:
         """Read the generation to its end into events and the response object."""
@@ -124,25 +126,17 @@ class ResponseRun:
             if self.accounting is not None:
                 self.accounting.close(abandoned=terminal is None)
             self._finish(terminal)
-            self.done = True
-            self._finished.set()
-            self._wake()
+            self._log.close()
 
     async def wait(self) -> ResponseObject:
-        await self._finished.wait()
+        async for _ in self._log.follow(len(self._log)):
+            pass
         return self.response
 
     async def events(self, after: int = -1) -> AsyncIterator[bytes]:
         """Every SSE event with a sequence number above `after`, then live ones to the last."""
-        delivered = after + 1
-        while True:
-            grew = self._grew
-            while delivered < len(self._events):
-                delivered += 1
-                yield self._events[delivered - 1]
-            if self.done:
-                return
-            await grew.wait()
+        async for _, event in self._log.follow(after + 1):
+            yield event
 
     def cancel(self) -> None:
         self.channel.cancel()
@@ -243,14 +237,9 @@ class ResponseRun:
         return self.response.model_dump()
 
     def _emit(self, kind: str, **fields) -> None:
-        sequence = len(self._events)
+        sequence = len(self._log)
         data = json.dumps({"type": kind, "sequence_number": sequence, **fields}, separators=(",", ":"))
-        self._events.append(f"event: {kind}\nid: {sequence}\ndata: {data}\n\n".encode())
-        self._wake()
-
-    def _wake(self) -> None:
-        self._grew.set()
-        self._grew = asyncio.Event()
+        self._log.append(f"event: {kind}\nid: {sequence}\ndata: {data}\n\n".encode())
 
 
 def _part(text: str) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from app.serving.event_log import EventLog
 from app.serving.streaming import Generation, sse_event
 
 
@@ -20,51 +21,35 @@ class ResumableStream:
     def __init__(self, generation: Generation, registry: StreamRegistry) -> None:
         self.generation = generation
         self._registry = registry
-        self._events: list[str] = []
-        self._done = False
-        # Replaced on every append: a subscriber awaits the one it saw, so no append is missed.
-        self._grew = asyncio.Event()
+        self._log: EventLog[str] = EventLog()
         self._subscribers = 0
         self._expiry: asyncio.TimerHandle | None = None
 
     @property
     def num_events(self) -> int:
-        return len(self._events)
+        return len(self._log)
 
     async def run(self) -> None:
         """Read the whole generation into the log, whoever is listening."""
         try:
             async for data in self.generation.events():
-                self._events.append(data)
-                self._wake()
+                self._log.append(data)
         finally:
-            self._done = True
-            self._wake()
+            self._log.close()
 
     async def subscribe(self, after: int) -> AsyncIterator[bytes]:
         """Every event after id `after`, then live ones until [DONE]."""
         self._attach()
-        delivered = after
         try:
-            while True:
-                grew = self._grew
-                while delivered < len(self._events):
-                    delivered += 1
-                    yield sse_event(delivered, self._events[delivered - 1])
-                if self._done:
-                    # A client has everything: nobody needs the log any more.
-                    self._registry.forget(self)
-                    return
-                await grew.wait()
+            async for event_id, data in self._log.follow(after):
+                yield sse_event(event_id, data)
+            # A client has everything: nobody needs the log any more.
+            self._registry.forget(self)
         finally:
             self._detach()
 
     def cancel(self) -> None:
         self.generation.channel.cancel()
-
-    def _wake(self) -> None:
-        self._grew.set()
-        self._grew = asyncio.Event()
 
     def _attach(self) -> None:
         self._subscribers += 1
