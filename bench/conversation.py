@@ -49,8 +49,14 @@ QUESTIONS = [
 ]
 
 
-def first_message() -> str:
-    return "Here is a text:\n\n" + "\n\n".join(PASSAGES) + "\n\nWhat is it about?"
+def user_message(turn: int) -> str:
+    if turn == 0:
+        return "Here is a text:\n\n" + "\n\n".join(PASSAGES) + "\n\nWhat is it about?"
+    return QUESTIONS[(turn - 1) % len(QUESTIONS)]
+
+
+def row(ttft: float, input_tokens: int, cached_tokens: int) -> dict:
+    return {"ttft_ms": round(ttft * 1000, 1), "input_tokens": input_tokens, "cached_tokens": cached_tokens}
 
 
 def stream_turn(client: httpx.Client, url: str, body: dict, delta_of) -> tuple[float, str, dict]:
@@ -85,7 +91,7 @@ def responses_conversation(base: str, turns: int, max_tokens: int, churns: int) 
         for turn in range(turns):
             churn(client, base, turn, churns)
             body = {
-                "input": first_message() if turn == 0 else QUESTIONS[(turn - 1) % len(QUESTIONS)],
+                "input": user_message(turn),
                 "max_output_tokens": max_tokens,
                 "temperature": 0,
                 "stream": True,
@@ -100,13 +106,7 @@ def responses_conversation(base: str, turns: int, max_tokens: int, churns: int) 
             response = last["response"]
             previous = response["id"]
             usage = response["usage"]
-            rows.append(
-                {
-                    "ttft_ms": round(ttft * 1000, 1),
-                    "input_tokens": usage["input_tokens"],
-                    "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
-                }
-            )
+            rows.append(row(ttft, usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]))
     return rows
 
 
@@ -115,9 +115,7 @@ def chat_conversation(base: str, turns: int, max_tokens: int, churns: int) -> li
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
             churn(client, base, turn, churns)
-            messages.append(
-                {"role": "user", "content": first_message() if turn == 0 else QUESTIONS[(turn - 1) % len(QUESTIONS)]}
-            )
+            messages.append({"role": "user", "content": user_message(turn)})
             body = {
                 "messages": messages,
                 "max_tokens": max_tokens,
@@ -133,13 +131,7 @@ def chat_conversation(base: str, turns: int, max_tokens: int, churns: int) -> li
             )
             messages.append({"role": "assistant", "content": text})
             usage = last["usage"]
-            rows.append(
-                {
-                    "ttft_ms": round(ttft * 1000, 1),
-                    "input_tokens": usage["prompt_tokens"],
-                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                }
-            )
+            rows.append(row(ttft, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]))
     return rows
 
 
