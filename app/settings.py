@@ -33,15 +33,20 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     """Name clients use in the `model` field; defaults to the model folder's name."""
     cache_dir: Path = Field(default_factory=_default_cache_dir)
-    """Where the default model's one-time GGUF → safetensors conversion is kept."""
+    """Where the default model's one-time GGUF → safetensors conversion and the built kernels are kept."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when present, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """auto: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+    """auto: bfloat16 on CUDA; float32 on a CPU (with --no-batch-invariant, bfloat16 on CPUs with native bf16)."""
     int4_max_tokens: int | None = Field(None, ge=0)
     """Decode steps of at most this many tokens run on int4 copies of the weights (groups of 32, as GGUF
     Q4_1), up to 1.8x faster on a CPU; prompt tokens and larger steps use --dtype. Default: 16 for the
-    embedded default model on CPU (its weights ship as 4-bit), 0 (off) otherwise."""
+    embedded default model on CPUs with AVX-512 under --no-batch-invariant (its weights ship as 4-bit), 0 (off)
+    otherwise; any other value turns batch invariance off."""
+    batch_invariant: bool = True
+    """A request's tokens depend on the request alone (prompt, parameters, seed), not on what shares its batch, the
+    prefix cache, chunking or speculation: float32 linear layers and attention on Sluice's own kernels (x86 CPUs
+    with AVX2, built on first start with the system C++ compiler). --no-batch-invariant uses torch's kernels."""
     max_num_seqs: int = Field(64, ge=1)
     """Most requests decoding together in one step; more wait in the queue."""
     max_num_batched_tokens: int = Field(256, ge=16)

@@ -118,7 +118,13 @@ def _draft_model(settings: Settings, loaded: LoadedModel) -> PagedCausalLM | Non
         raise ValueError("--speculative draft needs --draft-model PATH or self:L")
     if settings.draft_model.startswith("self:"):
         return loaded.model.first_layers(int(settings.draft_model.removeprefix("self:")))
-    draft = load_model(settings.draft_model, settings.cache_dir, settings.device, settings.dtype)
+    draft = load_model(
+        settings.draft_model,
+        settings.cache_dir,
+        settings.device,
+        settings.dtype,
+        batch_invariant=settings.batch_invariant,
+    )
     if draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab() or draft.model.vocab_size != loaded.model.vocab_size:
         raise ValueError(f"the draft model {settings.draft_model} does not share the served model's tokenizer")
     return draft.model
@@ -140,7 +146,14 @@ def _speculative_config(settings: Settings) -> SpeculativeConfig | None:
 
 def build_state(settings: Settings) -> ServerState:
     keep_freed_memory()
-    loaded = load_model(settings.model, settings.cache_dir, settings.device, settings.dtype, settings.int4_max_tokens)
+    loaded = load_model(
+        settings.model,
+        settings.cache_dir,
+        settings.device,
+        settings.dtype,
+        settings.int4_max_tokens,
+        settings.batch_invariant,
+    )
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     num_blocks = num_kv_blocks_for(settings.kv_cache_gib, loaded, settings.block_size, draft_model)

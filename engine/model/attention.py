@@ -6,17 +6,22 @@ Tokens of one step are laid out decodes first, then prefill chunks:
       one query each,    queries num_cached .. num_cached + num_tokens - 1
       batched together   of a's sequence, attended causally
 
-Linear layers run on all T tokens at once (no padding). Decodes share one
-batched attention call, padded only inside the K/V gather and masked; each
-prefill chunk gets its own call.
+Linear layers run on all T tokens at once (no padding). With torch's kernels,
+decodes share one batched attention call, padded only inside the K/V gather and
+masked, and each prefill chunk gets its own call. With the batch-invariant
+kernels every query, decode or chunk, reads its own request's keys through the
+block table in one call (engine/kernels/invariant.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.invariant import KernelAttentionMetadata, invariant_paged_attention
 
 
 @dataclass
@@ -47,6 +52,8 @@ class AttentionMetadata:
     # [D, 1, 1, L] True for slots inside each decode's context.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    # For the batch-invariant kernels instead of the fields above (they are then empty).
+    kernel: KernelAttentionMetadata | None = None
 
 
 def paged_attention(
@@ -57,10 +64,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernels: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """q [T, H, hd], k/v [T, KVH, hd] → [T, H, hd]; writes this step's K/V into the cache first."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.kernel is not None and kernels is not None:
+        return invariant_paged_attention(kernels, q, k_cache, v_cache, meta.kernel, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty_like(q)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import torch
 from transformers import PreTrainedModel
 
+from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.quant import Int4Weight
@@ -25,6 +27,9 @@ class PagedCausalLM:
     With int4 copies of its linear layers (use_int4), a step of at most
     `int4_max_tokens` tokens runs on those instead of the full-precision weights, unless
     the caller says it computes prompt tokens.
+
+    With the batch-invariant kernels (use_kernels), every other linear layer and the attention
+    run on those, so a token's logits depend on its own request alone.
     """
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
@@ -51,11 +56,19 @@ class PagedCausalLM:
         self.device = hf_model.device
         self.int4_max_tokens = 0
         self._int4: dict[torch.nn.Linear, Int4Weight] = {}
+        # The batch-invariant kernels' library, or None for torch's kernels.
+        self.kernels: ctypes.CDLL | None = None
+        self._packed: dict[torch.nn.Linear, PackedLinear] = {}
 
     def use_int4(self, weights: dict[torch.nn.Linear, Int4Weight], max_tokens: int) -> None:
         """Run steps of at most `max_tokens` tokens on these int4 copies of linear layers."""
         self._int4 = weights
         self.int4_max_tokens = max_tokens if weights else 0
+
+    def use_kernels(self, library: ctypes.CDLL, packed: dict[torch.nn.Linear, PackedLinear]) -> None:
+        """Run these packed linear layers and the attention on the batch-invariant kernels."""
+        self.kernels = library
+        self._packed = packed
 
     def first_layers(self, num_layers: int) -> PagedCausalLM:
         """A self-draft: the same embeddings, final norm and head over only the first layers
@@ -79,11 +92,11 @@ class PagedCausalLM:
     ) -> torch.Tensor:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
         num_tokens = input_ids.shape[0]
-        int4 = self._int4 if allow_int4 and num_tokens <= self.int4_max_tokens else {}
+        weights = self._int4 if allow_int4 and num_tokens <= self.int4_max_tokens else self._packed
 
         def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            quantized = int4.get(linear)
-            return linear(x) if quantized is None else quantized(x)
+            replacement = weights.get(linear) or self._packed.get(linear)
+            return linear(x) if replacement is None else replacement(x)
 
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden[None], positions[None])
@@ -98,7 +111,7 @@ class PagedCausalLM:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
+            o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale, self.kernels)
             hidden = hidden + project(attn.o_proj, o.view(num_tokens, -1))
             x = layer.post_attention_layernorm(hidden)
             mlp = layer.mlp

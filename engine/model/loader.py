@@ -13,9 +13,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from engine.detokenizer import TokenBytes  # noqa: E402
+from engine.kernels.invariant import PackedLinear  # noqa: E402
+from engine.kernels.native import load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
@@ -45,13 +47,15 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """ "auto" is bfloat16 everywhere it is fast: on CUDA, and on CPUs with native bf16
-    (AVX512-BF16 or AMX), where it decodes 1.5-2x faster than float32 (see README)."""
+def resolve_dtype(dtype: str, device: torch.device, batch_invariant: bool = False) -> torch.dtype:
+    """ "auto" is bfloat16 on CUDA. On a CPU it is float32 when batch-invariant (the invariant
+    kernels are float32), else bfloat16 where the CPU has native bf16 (AVX512-BF16 or AMX)."""
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cuda":
         return torch.bfloat16
+    if batch_invariant:
+        return torch.float32
     return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
 
 
@@ -99,16 +103,19 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def resolve_int4_max_tokens(int4_max_tokens: int | None, default_model: bool, device: torch.device) -> int:
+def resolve_int4_max_tokens(
+    int4_max_tokens: int | None, default_model: bool, device: torch.device, batch_invariant: bool = False
+) -> int:
     """None (auto): int4 for decode steps of up to 16 tokens when serving the embedded default
-    model on a CPU with AVX-512, whose weights ship as 4-bit, else off. Between 16 and 32 tokens
+    model on a CPU with AVX-512, whose weights ship as 4-bit, unless batch-invariant (a token's
+    weights would then depend on the size of its step), else off. Between 16 and 32 tokens
     the int4 step stops beating bf16 on a 2-core CPU (README, int4 for small steps). On an
     AVX2-only CPU torch's int4 kernel is slower than float32 at every batch size (README: 7.1
     against 16.8 tok/s at batch 1, 8.4 against 79.2 at batch 8), so auto leaves it off."""
     if not int4_supported(device):
         return 0
     if int4_max_tokens is None:
-        return 16 if default_model and _cpu_has_avx512() else 0
+        return 16 if default_model and _cpu_has_avx512() and not batch_invariant else 0
     return int4_max_tokens
 
 
@@ -117,7 +124,12 @@ def _cpu_has_avx512() -> bool:
 
 
 def load_model(
-    model: str | None, cache_dir: Path, device: str, dtype: str, int4_max_tokens: int | None = 0
+    model: str | None,
+    cache_dir: Path,
+    device: str,
+    dtype: str,
+    int4_max_tokens: int | None = 0,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load `model` (a local HF folder, or None for the embedded default) onto the device."""
     if model is None:
@@ -129,10 +141,10 @@ def load_model(
             raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
         name = path.name
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device, batch_invariant)
     logger.info("loading %s from %s on %s as %s", name, path, torch_device, torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    int4_tokens = resolve_int4_max_tokens(int4_max_tokens, model is None, torch_device)
+    int4_tokens = resolve_int4_max_tokens(int4_max_tokens, model is None, torch_device, batch_invariant)
     # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
     load_dtype = torch.float32 if int4_tokens else torch_dtype
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(torch_device).eval()
@@ -147,6 +159,10 @@ def load_model(
     paged.use_int4(int4, int4_tokens)
     if int4:
         logger.info("int4 weights for steps of up to %d tokens (%d linear layers)", int4_tokens, len(int4))
+    if batch_invariant:
+        use_invariant_kernels(paged, hf_model, cache_dir)
+        if int4_tokens and paged.kernels is not None:
+            logger.warning("--int4-max-tokens %d: steps that small run int4; batch invariance is off", int4_tokens)
     eos = _eos_token_ids(hf_model.generation_config.eos_token_id, tokenizer)
     return LoadedModel(
         model=paged,
@@ -157,6 +173,32 @@ def load_model(
         eos_token_ids=eos,
         max_position_embeddings=_context_length(hf_model.config),
     )
+
+
+def use_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel, cache_dir: Path) -> None:
+    """Moves every linear layer into the invariant kernels' layout (freeing the original where
+    nothing else shares it) and routes attention through them; logs why not where they cannot run."""
+    if paged.device.type != "cpu" or paged.dtype != torch.float32 or paged.head_dim % 8 or paged.head_dim > 256:
+        logger.warning(
+            "batch invariance is off: its kernels take float32 on a CPU with a head size that is a multiple "
+            "of 8 up to 256; this model is %s on %s with heads of %d",
+            paged.dtype,
+            paged.device,
+            paged.head_dim,
+        )
+        return
+    library = load_library(cache_dir)
+    if library is None:
+        return
+    shared = {hf_model.get_input_embeddings().weight.data_ptr()}
+    packed = {}
+    for module in hf_model.modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is None:
+            packed[module] = PackedLinear.pack(library, module.weight)
+            if module.weight.data_ptr() not in shared:
+                module.weight.data = torch.empty(0)
+    paged.use_kernels(library, packed)
+    logger.info("batch-invariant kernels for %d linear layers and attention", len(packed))
 
 
 def _context_length(config) -> int:

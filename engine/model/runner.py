@@ -7,6 +7,7 @@ from enum import Enum
 
 import torch
 
+from engine.kernels.invariant import KernelAttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, PrefillChunk
 from engine.model.causal_lm import PagedCausalLM
@@ -76,35 +77,29 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
-        prefills: list[PrefillChunk] = []
-        decodes = [s.request for s in segments if len(s.token_ids) == 1]
         for segment in segments:
             start, end = segment.start, segment.start + len(segment.token_ids)
             input_ids.extend(segment.token_ids)
             positions.extend(range(start, end))
             slots.extend(self._slots(segment.request, start, end))
-            if end - start > 1:
-                prefills.append(self._prefill_chunk(segment.request, len(input_ids) - (end - start), start, end))
             if segment.logits == Logits.ALL:
                 logits_indices.extend(range(len(input_ids) - (end - start), len(input_ids)))
             elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
+        position_tensor = self._tensor(positions)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=len(decodes),
-            decode_slots=None,
-            decode_mask=None,
-            prefills=prefills,
+            slot_mapping=self._tensor(slots), num_decode_tokens=0, decode_slots=None, decode_mask=None, prefills=[]
         )
-        if decodes:
-            starts = [s.start for s in segments if len(s.token_ids) == 1]
-            meta.decode_slots, meta.decode_mask = self._decode_context(decodes, starts)
+        if self.model.kernels is not None:
+            meta.kernel = self._kernel_metadata(segments, position_tensor)
+        else:
+            self._torch_metadata(meta, segments)
         # Prompt tokens always get the full-precision weights, so a prompt's K/V and first token
         # never depend on the prefix cache or on what else is in the step.
         computes_prompt = any(s.start < s.request.num_prompt_tokens for s in segments)
         return self.model.forward(
             self._tensor(input_ids),
-            self._tensor(positions),
+            position_tensor,
             meta,
             self.kv_cache,
             self._tensor(logits_indices),
@@ -125,6 +120,35 @@ class ModelRunner:
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         table, size = request.block_table, self.block_size
         return [table[p // size] * size + p % size for p in range(start, end)]
+
+    def _kernel_metadata(self, segments: list[Segment], positions: torch.Tensor) -> KernelAttentionMetadata:
+        """Each token reads its own request's keys 0 .. its position, through the block table."""
+        lengths = [len(segment.token_ids) for segment in segments]
+        width = max(-(-(segment.start + length) // self.block_size) for segment, length in zip(segments, lengths))
+        tables = [(segment.request.block_table[:width] + [0] * width)[:width] for segment in segments]
+        return KernelAttentionMetadata(
+            block_tables=self._tensor(tables),
+            table_rows=torch.repeat_interleave(torch.arange(len(segments), device=self.device), self._tensor(lengths)),
+            context_lens=positions + 1,
+            block_size=self.block_size,
+        )
+
+    def _torch_metadata(self, meta: AttentionMetadata, segments: list[Segment]) -> None:
+        """Decodes batched with their contexts gathered and padded; a causal call per prefill chunk."""
+        offset = 0
+        for segment in segments:
+            num_new = len(segment.token_ids)
+            if num_new > 1:
+                meta.prefills.append(
+                    self._prefill_chunk(segment.request, offset, segment.start, segment.start + num_new)
+                )
+            offset += num_new
+        decodes = [segment for segment in segments if len(segment.token_ids) == 1]
+        meta.num_decode_tokens = len(decodes)
+        if decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_context(
+                [segment.request for segment in decodes], [segment.start for segment in decodes]
+            )
 
     def _prefill_chunk(self, request: Request, batch_start: int, start: int, end: int) -> PrefillChunk:
         num_new = end - start
