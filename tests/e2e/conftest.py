@@ -11,8 +11,6 @@ import pytest
 
 from tests.conftest import CACHE_DIR
 
-BATCH_INVARIANT = ("--dtype", "float32", "--int4-max-tokens", "0")
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -58,18 +56,15 @@ def server(default_model_path):
 
 
 @pytest.fixture(scope="module")
-def fp32_server(default_model_path):
-    """float32 serving on full-precision weights only, whose outputs do not depend on batch
-    composition (bf16's can, and int4 steps are taken only when a step is small)."""
-    yield from _serve(*BATCH_INVARIANT)
+def own_server(default_model_path):
+    """A default server for one test module, for tests that need the server's state to themselves."""
+    yield from _serve()
 
 
 @pytest.fixture(scope="session")
 def flow_server(default_model_path):
-    """Batch-invariant, with tight flow-control settings, so back-pressure, keep-alive and
-    resume expiry happen within seconds."""
+    """Tight flow-control settings, so back-pressure, keep-alive and resume expiry happen within seconds."""
     yield from _serve(
-        *BATCH_INVARIANT,
         "--max-unread-tokens",
         "16",
         "--write-buffer-kib",

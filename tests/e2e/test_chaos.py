@@ -1,4 +1,4 @@
-"""Chaos: a few hundred mixed requests at 32 concurrent connections against one float32 server.
+"""Chaos: a few hundred mixed requests at 32 concurrent connections against one default server.
 
 Normal and slow streams, clients that vanish mid-stream, DELETE cancels, malformed bodies and
 non-streamed requests, interleaved: nothing hangs, every malformed body gets a 4xx with an
@@ -41,8 +41,8 @@ async def read_stream(response: httpx.Response, delay: float = 0.0) -> list:
     return parse_events(lines)
 
 
-async def test_mixed_traffic_leaves_the_server_as_it_found_it(fp32_server):
-    base = fp32_server
+async def test_mixed_traffic_leaves_the_server_as_it_found_it(own_server):
+    base = own_server
     url = f"{base}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=120) as client:
         before = (await client.get(f"{base}/health")).json()

@@ -130,7 +130,7 @@ def test_a_resent_conversation_is_served_from_the_prefix_cache(server, client, m
 
 
 def test_penalties_change_a_repetitive_output(client, model_name):
-    # 80 tokens: in float32 (the default on an AVX2 CPU) the first 40 of the list come out the same
+    # 80 tokens: in float32 (the default on a CPU) the first 40 of the list come out the same
     # under a presence penalty; the days' names repeat on every line and diverge later.
     plain = chat(client, model_name, LIST, max_tokens=80).choices[0].message.content
     for params in (

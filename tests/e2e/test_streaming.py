@@ -117,8 +117,8 @@ PROMPTS = [
 ]
 
 
-async def test_sixteen_concurrent_streams_match_each_request_alone(fp32_server, model_name):
-    server = fp32_server
+async def test_sixteen_concurrent_streams_match_each_request_alone(own_server, model_name):
+    server = own_server
     async with httpx.AsyncClient(timeout=300) as client:
         alone = [await _stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS]
         together = await asyncio.gather(*[_stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS])
@@ -134,9 +134,9 @@ async def test_sixteen_concurrent_streams_all_complete_on_the_default_dtype(serv
     assert health()["kv_blocks_used"] == 0
 
 
-async def test_disconnect_frees_kv_blocks_and_spares_other_streams(fp32_server, model_name):
-    # float32, so the surviving stream's text cannot change with the batch it shares.
-    server = fp32_server
+async def test_disconnect_frees_kv_blocks_and_spares_other_streams(own_server, model_name):
+    # Batch-invariant, so the surviving stream's text cannot change with the batch it shares.
+    server = own_server
 
     def health() -> dict:
         return httpx.get(f"{server}/health", timeout=5).json()

@@ -12,8 +12,9 @@ from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from engine.engine import Engine, EngineConfig
 from engine.model.causal_lm import PagedCausalLM
-from engine.model.loader import LoadedModel
+from engine.model.loader import LoadedModel, use_invariant_kernels
 from engine.request import Request, SamplingParams
+from tests.conftest import CACHE_DIR
 
 TINY_VOCAB = 512
 
@@ -49,11 +50,20 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = F
 
 
 def tiny_loaded(
-    tokenizer, model_type: str = "llama", repetitive: bool = False, vocab_size: int = TINY_VOCAB
+    tokenizer,
+    model_type: str = "llama",
+    repetitive: bool = False,
+    vocab_size: int = TINY_VOCAB,
+    kernels: bool = False,
 ) -> LoadedModel:
+    """`kernels`: run on the batch-invariant kernels, as a server does by default."""
     hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size)
+    model = PagedCausalLM(hf)
+    if kernels:
+        use_invariant_kernels(model, hf, CACHE_DIR)
+        assert model.kernels is not None, "the batch-invariant kernels did not build on this machine"
     return LoadedModel(
-        model=PagedCausalLM(hf),
+        model=model,
         tokenizer=tokenizer,
         token_bytes=TokenBytes.from_tokenizer(tokenizer),
         name=f"tiny-{model_type}",

@@ -34,6 +34,18 @@ def test_an_unsupported_architecture_is_refused(tmp_path, default_tokenizer):
 def test_explicit_dtype_wins_and_cuda_defaults_to_bf16():
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu"), batch_invariant=True) == torch.float32
+
+
+def test_batch_invariant_loading_moves_every_linear_layer_onto_the_kernels(tmp_path, default_tokenizer):
+    tiny_hf_model().save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), tmp_path / "cache", device="cpu", dtype="auto", batch_invariant=True)
+    assert loaded.model.kernels is not None and loaded.model.dtype == torch.float32
+    # Two layers of q, k, v, o, gate, up, down, and the head.
+    assert len(loaded.model._packed) == 2 * 7 + 1
+    bf16 = load_model(str(tmp_path), tmp_path / "cache", device="cpu", dtype="bfloat16", batch_invariant=True)
+    assert bf16.model.kernels is None
 
 
 def test_mistral_context_is_capped_at_its_sliding_window():

@@ -19,9 +19,10 @@ def hf_greedy(hf_model, prompt, max_new_tokens):
     return out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["invariant-kernels", "torch-kernels"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-async def test_engine_greedy_matches_hf_generate_in_a_mixed_batch(default_tokenizer, model_type):
-    loaded = tiny_loaded(default_tokenizer, model_type)
+async def test_engine_greedy_matches_hf_generate_in_a_mixed_batch(default_tokenizer, model_type, kernels):
+    loaded = tiny_loaded(default_tokenizer, model_type, kernels=kernels)
     reference = tiny_hf_model(model_type)  # same seed, same weights
     expected = [hf_greedy(reference, p, 12) for p in PROMPTS]
     # A budget of 7 tokens and blocks of 4 force chunked prefill across block edges,

@@ -1,0 +1,99 @@
+"""The batch-invariant kernels: close to torch's results, and bit for bit the same for a row or a
+query whatever else is computed with it."""
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.invariant import KernelAttentionMetadata, PackedLinear, invariant_paged_attention
+from engine.kernels.native import kernels_supported, load_library
+from engine.request import SamplingParams
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import collect, tiny_engine, tiny_loaded
+
+
+@pytest.fixture(scope="module")
+def library():
+    assert kernels_supported(), "these tests run where the kernels do: x86-64 with AVX2"
+    library = load_library(CACHE_DIR)
+    assert library is not None
+    return library
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (192, 1536), (100, 40), (49152, 64)])
+def test_a_linear_row_is_the_same_alone_and_in_any_batch(library, out_features, in_features):
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features)
+    linear = PackedLinear.pack(library, weight)
+    x = torch.randn(300, in_features)
+    full = linear(x)
+    torch.testing.assert_close(full, F.linear(x, weight), rtol=1e-4, atol=1e-3)
+    for rows in (1, 2, 3, 5, 6, 7, 13, 48, 64, 255):
+        for offset in (0, 7, 45):
+            assert torch.equal(linear(x[offset : offset + rows]), full[offset : offset + rows]), (rows, offset)
+
+
+def _paged(library, q, cache, tables, table_rows, context_lens):
+    meta = KernelAttentionMetadata(
+        block_tables=torch.tensor(tables),
+        table_rows=torch.tensor(table_rows),
+        context_lens=torch.tensor(context_lens),
+        block_size=4,
+    )
+    return invariant_paged_attention(library, q, *cache, meta, scale=0.125)
+
+
+def test_attention_matches_sdpa_and_a_query_reads_the_same_alone_or_in_a_chunk(library):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim = 6, 2, 64
+    cache = (torch.randn(200, kv_heads, head_dim), torch.randn(200, kv_heads, head_dim))
+    # Two requests whose blocks are scattered through the cache.
+    tables = [[7, 3, 30, 12, 44, 1, 9, 20, 33], [5, 40, 2, 18, 0, 0, 0, 0, 0]]
+    q = torch.randn(12, heads, head_dim)
+    # Request 0's positions 20..29 as one chunk, then request 1's position 15 as a decode.
+    rows, lens = [0] * 10 + [1, 1], [*range(21, 31), 16, 14]
+    out = _paged(library, q, cache, tables, rows, lens)
+    for t in range(12):
+        slots = torch.tensor([tables[rows[t]][j // 4] * 4 + j % 4 for j in range(lens[t])])
+        k, v = (c[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0) for c in cache)
+        expected = F.scaled_dot_product_attention(q[t].unsqueeze(1), k, v, scale=0.125).squeeze(1)
+        torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
+        alone = _paged(library, q[t : t + 1], cache, [tables[rows[t]]], [0], [lens[t]])
+        assert torch.equal(alone[0], out[t]), t
+
+
+async def _greedy(engine, prompts, max_tokens=10):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+    results = await asyncio.gather(*[collect(engine, p, params) for p in prompts])
+    return [[(t, lp) for chunk in chunks for t, lp in zip(chunk.token_ids, chunk.logprobs or [])] for chunks in results]
+
+
+async def test_tokens_and_logprobs_depend_on_the_request_alone(default_tokenizer):
+    """Alone, in a batch, chunked across steps of another size, and with the prompt partly read
+    from the prefix cache: the same tokens with the same logprobs to the last bit."""
+    loaded = tiny_loaded(default_tokenizer, kernels=True)
+    prompts = [list(range(20, 60)), [5, 9, 13], [7] * 11, list(range(100, 131))]
+
+    async def run(prompts, **config):
+        engine = tiny_engine(loaded, **config)
+        engine.start()
+        try:
+            return await _greedy(engine, prompts)
+        finally:
+            engine.shutdown()
+
+    alone = [(await run([p]))[0] for p in prompts]
+    assert all(len(tokens) == 10 for tokens in alone)
+    assert await run(prompts) == alone
+    assert await run(prompts, max_num_batched_tokens=7) == alone
+    # The same engine twice: the second time the prompts' full blocks come from the prefix cache.
+    engine = tiny_engine(loaded)
+    engine.start()
+    try:
+        assert await _greedy(engine, prompts) == alone
+        assert await _greedy(engine, prompts[::-1]) == alone[::-1]
+        assert engine.block_manager.num_prefix_hits > 0
+    finally:
+        engine.shutdown()
