@@ -9,7 +9,9 @@ WORKDIR /srv/sluice
 # g++ builds the batch-invariant CPU kernels (engine/kernels), once, below.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # The CPU wheel keeps the image small; a CUDA base image with the CUDA torch build serves on GPUs.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# TORCH_SOURCE points pip elsewhere where download.pytorch.org is out of reach (README, Docker).
+ARG TORCH_SOURCE="--index-url https://download.pytorch.org/whl/cpu"
+RUN pip install torch==2.13.0 $TORCH_SOURCE
 COPY pyproject.toml README.md ./
 COPY app ./app
 COPY engine ./engine
