@@ -44,8 +44,9 @@ class PackedLinear:
 
 @dataclass
 class KernelAttentionMetadata:
-    """Which keys each query token reads, for sl_paged_attention."""
+    """Which keys each query token reads, for sl_paged_attention in `library`."""
 
+    library: ctypes.CDLL
     # [R, W] block table of each request in the step, padded with block 0.
     block_tables: torch.Tensor
     # [T] row of block_tables that holds each token's request.
@@ -56,7 +57,6 @@ class KernelAttentionMetadata:
 
 
 def invariant_paged_attention(
-    library: ctypes.CDLL,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -67,7 +67,7 @@ def invariant_paged_attention(
     q = q.contiguous()
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    library.sl_paged_attention(
+    meta.library.sl_paged_attention(
         q.data_ptr(),
         num_tokens,
         num_heads,

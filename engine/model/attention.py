@@ -15,7 +15,6 @@ block table in one call (engine/kernels/invariant.py).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -64,13 +63,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-    kernels: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
     """q [T, H, hd], k/v [T, KVH, hd] → [T, H, hd]; writes this step's K/V into the cache first."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if meta.kernel is not None and kernels is not None:
-        return invariant_paged_attention(kernels, q, k_cache, v_cache, meta.kernel, scale)
+    if meta.kernel is not None:
+        return invariant_paged_attention(q, k_cache, v_cache, meta.kernel, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty_like(q)

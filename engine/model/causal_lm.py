@@ -111,7 +111,7 @@ class PagedCausalLM:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale, self.kernels)
+            o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
             hidden = hidden + project(attn.o_proj, o.view(num_tokens, -1))
             x = layer.post_attention_layernorm(hidden)
             mlp = layer.mlp

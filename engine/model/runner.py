@@ -127,6 +127,7 @@ class ModelRunner:
         width = max(-(-(segment.start + length) // self.block_size) for segment, length in zip(segments, lengths))
         tables = [(segment.request.block_table[:width] + [0] * width)[:width] for segment in segments]
         return KernelAttentionMetadata(
+            library=self.model.kernels,
             block_tables=self._tensor(tables),
             table_rows=torch.repeat_interleave(torch.arange(len(segments), device=self.device), self._tensor(lengths)),
             context_lens=positions + 1,

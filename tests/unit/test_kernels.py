@@ -37,12 +37,13 @@ def test_a_linear_row_is_the_same_alone_and_in_any_batch(library, out_features, 
 
 def _paged(library, q, cache, tables, table_rows, context_lens):
     meta = KernelAttentionMetadata(
+        library=library,
         block_tables=torch.tensor(tables),
         table_rows=torch.tensor(table_rows),
         context_lens=torch.tensor(context_lens),
         block_size=4,
     )
-    return invariant_paged_attention(library, q, *cache, meta, scale=0.125)
+    return invariant_paged_attention(q, *cache, meta, scale=0.125)
 
 
 def test_attention_matches_sdpa_and_a_query_reads_the_same_alone_or_in_a_chunk(library):
