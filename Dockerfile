@@ -6,7 +6,7 @@ ENV HF_HUB_OFFLINE=1 \
     SLUICE_CACHE_DIR=/var/cache/sluice
 
 WORKDIR /srv/sluice
-# g++ builds the batch-invariant CPU kernels (engine/kernels), once, below.
+# g++ builds the CPU kernels (engine/kernels: batch-invariant layers, the sampler), once, below.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # The CPU wheel keeps the image small; a CUDA base image with the CUDA torch build serves on GPUs.
 # TORCH_SOURCE points pip elsewhere where download.pytorch.org is out of reach (README, Docker).

@@ -22,12 +22,12 @@ serve: $(STAMP) compiler
 test: $(STAMP) compiler browser
 	$(PY) -m pytest $(ARGS)
 
-# The batch-invariant CPU kernels (engine/kernels) are built on first start with the system's C++
+# The CPU kernels (engine/kernels: batch-invariant layers, the sampler) are built on first start with the system's C++
 # compiler. Where there is none and this runs as root on Debian, g++ comes from the system's packages;
 # elsewhere Sluice serves on torch's kernels and says so (outputs then vary with the batch).
 compiler:
 	@if ! command -v c++ >/dev/null && ! command -v g++ >/dev/null && [ "$$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then \
-		echo "installing g++ for the batch-invariant kernels"; \
+		echo "installing g++ for the CPU kernels"; \
 		apt-get install -y -qq --no-install-recommends g++ >/dev/null 2>&1 \
 		|| { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends g++ >/dev/null 2>&1; } \
 		|| echo "could not install g++: serving falls back to torch's kernels"; \

@@ -124,7 +124,7 @@ class Engine:
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler(loaded.cpu_kernels)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()

@@ -1,4 +1,5 @@
-"""Builds invariant.cpp once per machine with the system C++ compiler and loads it with ctypes.
+"""Builds the kernels (invariant.cpp, sampling.cpp) once per machine with the system C++ compiler
+into one library, and loads it with ctypes.
 
 A plain shared library keeps the build to a second or two (no torch headers, no ninja) and
 the calls to a few microseconds each. The library is cached under the cache folder by a
@@ -8,6 +9,7 @@ hash of its source and flags, and written by rename so concurrent servers never 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -20,7 +22,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("invariant.cpp")
+_FOLDER = Path(__file__).parent
+_SOURCES = (_FOLDER / "invariant.cpp", _FOLDER / "sampling.cpp")
+_HEADERS = (_FOLDER / "vector_math.h",)
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
@@ -36,27 +40,28 @@ def kernels_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))
 
 
+@functools.cache
 def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     """The compiled kernels, building them first if this machine has none yet; None (with a
-    warning saying why) where they cannot run or cannot be built."""
+    warning saying why, once) where they cannot run or cannot be built."""
     if not kernels_supported():
-        logger.warning("batch-invariant kernels need an x86-64 CPU with AVX2 and FMA; using torch's kernels")
+        logger.warning("Sluice's CPU kernels need an x86-64 CPU with AVX2 and FMA; using torch's")
         return None
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
-        logger.warning("no C++ compiler (c++ or g++) found to build the batch-invariant kernels; using torch's")
+        logger.warning("no C++ compiler (c++ or g++) found to build Sluice's CPU kernels; using torch's")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir / "kernels" / f"invariant-{key}.so"
+    target = cache_dir / "kernels" / f"sluice-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_suffix(f".{os.getpid()}.partial")
-        command = [compiler, *_FLAGS, str(_SOURCE), "-o", str(staging)]
-        logger.info("building the batch-invariant kernels: %s", " ".join(command))
+        command = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(staging)]
+        logger.info("building Sluice's CPU kernels: %s", " ".join(command))
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            logger.warning("building the batch-invariant kernels failed; using torch's:\n%s", result.stderr[-2000:])
+            logger.warning("building Sluice's CPU kernels failed; using torch's:\n%s", result.stderr[-2000:])
             staging.unlink(missing_ok=True)
             return None
         staging.replace(target)
@@ -67,4 +72,6 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     library.sl_pack_weight.restype = None
     library.sl_paged_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P]
     library.sl_paged_attention.restype = None
+    library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+    library.sl_sample.restype = None
     return library

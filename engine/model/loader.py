@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import logging
@@ -39,6 +40,8 @@ class LoadedModel:
     path: Path
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
+    # Sluice's CPU kernels, for the sampler; None on a GPU or where they cannot run.
+    cpu_kernels: ctypes.CDLL | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -172,6 +175,7 @@ def load_model(
         path=path,
         eos_token_ids=eos,
         max_position_embeddings=_context_length(hf_model.config),
+        cpu_kernels=load_library(cache_dir) if torch_device.type == "cpu" else None,
     )
 
 

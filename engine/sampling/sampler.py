@@ -15,11 +15,13 @@ alone, so a seeded request gives the same tokens whoever shares its batch.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.sampling import sample_on_cpu
 from engine.request import Request
 from engine.sampling.draws import uniforms
 from engine.sampling.grammar import RowMask
@@ -48,9 +50,14 @@ class SamplerOutput:
 
 class Sampler:
     """Samples a step's rows; owns a workspace reused across steps, so a step allocates no
-    vocabulary-sized buffer (on a CPU each new one costs its page faults)."""
+    vocabulary-sized buffer (on a CPU each new one costs its page faults).
 
-    def __init__(self) -> None:
+    Given the CPU kernels' library, float32 CPU rows are drawn there instead, in one call
+    (engine/kernels/sampling.py): the same distributions without torch's full-vocabulary passes.
+    """
+
+    def __init__(self, kernels: ctypes.CDLL | None = None) -> None:
+        self.kernels = kernels
         self._workspace = torch.empty(0)
 
     def sample(self, requests: Sequence[Request], logits: torch.Tensor, mask: RowMask | None = None) -> SamplerOutput:
@@ -61,7 +68,9 @@ class Sampler:
         if mask is not None:
             processed = mask.apply(processed)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if not rows:
+        if self.kernels is not None and processed.device.type == "cpu" and processed.dtype == torch.float32:
+            token_ids = sample_on_cpu(self.kernels, processed, requests, [r.num_tokens for r in requests])
+        elif not rows:
             token_ids = processed.argmax(dim=-1)
         else:
             token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)

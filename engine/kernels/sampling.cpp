@@ -1,0 +1,254 @@
+// The sampler's kernel for CPUs with AVX2 and FMA: one call draws a token for every row of a
+// step's float32 logits, with the semantics of engine/sampling/sampler.py.
+//
+// A greedy row is one argmax. A sampled row is a max pass, one exp pass that also sums each
+// 256-token block, and a two-level inverse-CDF draw (the block, then the token inside it).
+// Top-k cuts at the k-th largest weight, found with a k-heap behind a vector compare; min-p at a
+// floor; top-p by rejection with no sort: a drawn token is kept when the mass heavier than it is
+// below top_p, otherwise every token as light as it goes and the row draws again. The pass that
+// sums the heavier mass also gives the next draw's block sums, so a round is one vector pass.
+//
+// Every reduction of a row runs in an order fixed by that row alone, and the uniforms are the
+// counter-based ones of engine/sampling/draws.py, so a row's token never depends on its batch,
+// its place in it or the thread that draws it.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace {
+
+using sluice::exp256;
+using sluice::hsum;
+
+constexpr int64_t kBlock = 256;
+// Rejection rounds before the rest of a row's nucleus is found by sorting, as in the torch path
+// (rarely reached: each round keeps the drawn token with probability at least top_p).
+constexpr uint64_t kMaxRounds = 16;
+
+uint64_t mix(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// draws.uniform(key, position, lane), bit for bit.
+double uniform(uint64_t key, int64_t position, uint64_t lane) {
+  uint64_t x = mix(key + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(position + 1));
+  x = mix(x ^ ((lane + 1) * 0xD1B54A32D192ED03ull));
+  return static_cast<double>(x >> 11) * 0x1.0p-53;
+}
+
+float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+float row_max(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(x + i));
+  float m = hmax(best);
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// The first index of the largest value, as torch's argmax breaks ties.
+int64_t argmax(const float* x, int64_t n) {
+  const float m = row_max(x, n);
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;
+}
+
+__m256i tail_mask(int64_t left) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), lanes);
+}
+
+// w = exp((x - m) * inverse_t), zero below exp's range and past n (w holds n rounded up to 8);
+// returns the row's mass and leaves each block's float sum in `blocks`.
+double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, float* blocks) {
+  const __m256 top = _mm256_set1_ps(m), scale = _mm256_set1_ps(inverse_t);
+  const __m256 lowest = _mm256_set1_ps(-87.33654f);
+  double total = 0.0;
+  for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
+    const int64_t end = std::min(start + kBlock, n);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = start; i < end; i += 8) {
+      const __m256 v = end - i >= 8 ? _mm256_loadu_ps(x + i) : _mm256_maskload_ps(x + i, tail_mask(end - i));
+      // The max is subtracted before the temperature multiplies, so the best token's weight is exactly 1.
+      const __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, top), scale);
+      __m256 e = _mm256_and_ps(exp256(a), _mm256_cmp_ps(a, lowest, _CMP_GE_OQ));
+      if (end - i < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(tail_mask(end - i)));
+      _mm256_storeu_ps(w + i, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    blocks[b] = hsum(acc);
+    total += blocks[b];
+  }
+  return total;
+}
+
+// Each block's float sum of the weights >= lo, and the row's mass (their sum, in block order).
+double block_sums(const float* w, int64_t n, float lo, float* blocks) {
+  const __m256 floor = _mm256_set1_ps(lo);
+  double total = 0.0;
+  for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
+    const int64_t end = std::min(start + kBlock, n);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = start; i < end; i += 8) {
+      const __m256 v = _mm256_loadu_ps(w + i);
+      acc = _mm256_add_ps(acc, _mm256_and_ps(v, _mm256_cmp_ps(v, floor, _CMP_GE_OQ)));
+    }
+    blocks[b] = hsum(acc);
+    total += blocks[b];
+  }
+  return total;
+}
+
+// The k-th largest weight (0 < k < n): a min-heap of the k largest so far, and a vector compare
+// that skips the eight-token groups with nothing above its smallest.
+float kth_largest(const float* w, int64_t n, int64_t k, std::vector<float>& heap) {
+  heap.assign(w, w + k);
+  std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+  float smallest = heap.front();
+  auto consider = [&](float v) {
+    if (v <= smallest) return;
+    std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+    heap.back() = v;
+    std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+    smallest = heap.front();
+  };
+  int64_t i = k;
+  for (; i < n && i % 8; ++i) consider(w[i]);
+  for (; i + 8 <= n; i += 8) {
+    int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + i), _mm256_set1_ps(smallest), _CMP_GT_OQ));
+    for (; bits; bits &= bits - 1) consider(w[i + __builtin_ctz(bits)]);
+  }
+  for (; i < n; ++i) consider(w[i]);
+  return smallest;
+}
+
+// One token among the weights >= lo by inverse CDF at u: the block whose running mass passes
+// u x total, then the token inside it; rounding past the end takes the last token with weight.
+int64_t draw(const float* w, int64_t n, const float* blocks, int64_t num_blocks, float lo, double u) {
+  double total = 0.0;
+  for (int64_t b = 0; b < num_blocks; ++b) total += blocks[b];
+  const double target = u * total;
+  double before = 0.0;
+  int64_t block = -1, last_block = -1;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (blocks[b] <= 0.0f) continue;
+    last_block = b;
+    if (before + blocks[b] > target) {
+      block = b;
+      break;
+    }
+    before += blocks[b];
+  }
+  if (block < 0) block = last_block;
+  if (block < 0) return 0;
+  const double rest = target - before;
+  double running = 0.0;
+  int64_t last = -1;
+  for (int64_t i = block * kBlock, end = std::min(n, (block + 1) * kBlock); i < end; ++i) {
+    if (w[i] < lo || w[i] <= 0.0f) continue;
+    last = i;
+    running += w[i];
+    if (running > rest) return i;
+  }
+  return last < 0 ? 0 : last;
+}
+
+// The lightest weight still in the nucleus of the weights >= lo: every token whose heavier
+// mass is below `target`. By sorting; only for rows the rejection rounds left undecided.
+float nucleus_floor(const float* w, int64_t n, float lo, double target, std::vector<float>& values) {
+  values.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (w[i] >= lo && w[i] > 0.0f) values.push_back(w[i]);
+  std::sort(values.begin(), values.end(), std::greater<float>());
+  double heavier = 0.0;
+  float floor = values.empty() ? lo : values.front();
+  for (size_t i = 0; i < values.size() && heavier < target;) {
+    floor = values[i];
+    for (const float value = values[i]; i < values.size() && values[i] == value; ++i) heavier += values[i];
+  }
+  return floor;
+}
+
+struct Workspace {
+  std::vector<float> weights, blocks, scratch;
+};
+
+int64_t sample_row(const float* x, int64_t n, float inverse_t, int64_t top_k, float top_p, float min_p,
+                   uint64_t key, int64_t position, Workspace& space) {
+  if (inverse_t <= 0.0f) return argmax(x, n);
+  const float m = row_max(x, n);
+  if (m == -INFINITY) return 0;
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  space.weights.resize((n + 7) / 8 * 8);
+  space.blocks.resize(num_blocks);
+  float* w = space.weights.data();
+  float* blocks = space.blocks.data();
+  double mass = exp_pass(x, n, m, inverse_t, w, blocks);
+  // Order as in vLLM: top-k, then top-p over what top-k kept, then min-p (of the best token's
+  // weight, which is 1).
+  float lo = 0.0f;
+  if (top_k > 0 && top_k < n) {
+    lo = kth_largest(w, n, top_k, space.scratch);
+    mass = block_sums(w, n, lo, blocks);
+  }
+  const double target = mass * static_cast<double>(top_p);
+  if (min_p > lo) {
+    lo = min_p;
+    block_sums(w, n, lo, blocks);
+  }
+  uint64_t lane = 0;
+  int64_t token = draw(w, n, blocks, num_blocks, lo, uniform(key, position, lane));
+  if (top_p >= 1.0f) return token;
+  while (true) {
+    const float above = nextafterf(w[token], INFINITY);
+    const double heavier = block_sums(w, n, above, blocks);
+    // The heaviest token is always in the nucleus.
+    if (heavier < target || heavier <= 0.0) return token;
+    // Outside: it and everything as light are dropped, and the heavier tokens are drawn among.
+    lo = above;
+    if (++lane == kMaxRounds) {
+      lo = nucleus_floor(w, n, lo, target, space.scratch);
+      block_sums(w, n, lo, blocks);
+      return draw(w, n, blocks, num_blocks, lo, uniform(key, position, lane));
+    }
+    token = draw(w, n, blocks, num_blocks, lo, uniform(key, position, lane));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// tokens[r] for each row r of logits [rows, n] (row stride `stride`): argmax where
+// inverse_t[r] is 0, otherwise a draw at temperature 1 / inverse_t[r] with top_k[r] (0: off),
+// top_p[r] (1: off) and min_p[r] (0: off), from the uniforms of (keys[r], positions[r]).
+void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, const float* inverse_t,
+               const int64_t* top_k, const float* top_p, const float* min_p, const uint64_t* keys,
+               const int64_t* positions, int64_t* tokens) {
+  // Rows differ in cost (greedy, rejection rounds): hand them out one at a time.
+#pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    // Per thread and kept across calls: OpenMP's workers live as long as the process.
+    static thread_local Workspace space;
+    tokens[r] = sample_row(logits + r * stride, n, inverse_t[r], top_k[r], top_p[r], min_p[r], keys[r],
+                           positions[r], space);
+  }
+}
+
+}  // extern "C"
