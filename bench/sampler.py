@@ -1,0 +1,81 @@
+"""The sampler alone: torch's path against the CPU kernel on one step's worth of logits.
+
+    python bench/sampler.py                 # 256 rows of 49,152 logits, six settings
+    python bench/sampler.py --rows 64
+
+For each setting it reports milliseconds per step on each path (the best of `--repeats`) and in how
+many rows the two drew the same token (the same uniforms; they differ only where float rounding of a
+sum moves a boundary). Logits are Gaussian at two scales: peaked rows (x3) and nearly flat ones (x0.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kernels.native import load_library  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from engine.sampling.sampler import Sampler  # noqa: E402
+
+SETTINGS = [
+    dict(temperature=0.0),
+    dict(temperature=0.7),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_k=40),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=1.3, top_k=100, top_p=0.5),
+]
+
+
+def best_ms(sampler: Sampler, requests, logits: torch.Tensor, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sampler.sample(requests, logits)
+        times.append(time.perf_counter() - start)
+    return 1000 * min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice")
+    args = parser.parse_args()
+    library = load_library(args.cache_dir)
+    if library is None:
+        sys.exit("Sluice's CPU kernels cannot run here")
+    torch_path, kernel_path = Sampler(), Sampler(library)
+    generator = torch.Generator().manual_seed(0)
+    print("| setting | logits scale | torch ms | kernel ms | same tokens |")
+    print("|---|---|---|---|---|")
+    for setting in SETTINGS:
+        # The sampler reads only these fields of a request.
+        requests = [
+            SimpleNamespace(params=SamplingParams(max_tokens=1, **setting), rng_key=7919 * i + 1, num_tokens=100 + i)
+            for i in range(args.rows)
+        ]
+        for scale in (3.0, 0.1):
+            logits = torch.randn(args.rows, args.vocab, generator=generator) * scale
+            same = sum(
+                a == b
+                for a, b in zip(
+                    torch_path.sample(requests, logits).token_ids, kernel_path.sample(requests, logits).token_ids
+                )
+            )
+            print(
+                f"| {setting} | {scale} | {best_ms(torch_path, requests, logits, args.repeats):.1f} "
+                f"| {best_ms(kernel_path, requests, logits, args.repeats):.1f} | {same}/{args.rows} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
