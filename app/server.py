@@ -14,6 +14,7 @@ from app.operations.front_door import FrontDoor
 from app.routes import chat, completions, health, models, playground, responses, streams
 from app.settings import Settings
 from app.state import ServerState, build_state
+from engine.model.host_memory import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ async def _start_engine_thread(settings: Settings) -> ServerState:
             return
         state.engine.run(on_running=lambda: loop.call_soon_threadsafe(built.set_result, state))
 
+    keep_freed_memory()
     threading.Thread(target=engine_thread, name="sluice-engine", daemon=True).start()
     return await built
 

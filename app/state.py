@@ -21,7 +21,6 @@ from app.serving.tools import ToolUse
 from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
 from engine.model.causal_lm import PagedCausalLM
-from engine.model.host_memory import keep_freed_memory
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError, GrammarSpec
 
@@ -145,7 +144,6 @@ def _speculative_config(settings: Settings) -> SpeculativeConfig | None:
 
 
 def build_state(settings: Settings) -> ServerState:
-    keep_freed_memory()
     loaded = load_model(
         settings.model,
         settings.cache_dir,

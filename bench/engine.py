@@ -40,6 +40,7 @@ from app.state import ServerState, build_state  # noqa: E402
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
+from engine.model.host_memory import keep_freed_memory  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 
@@ -136,6 +137,7 @@ def start_engine_thread(settings: Settings, first: Callable[[ServerState], T]) -
             return
         state.engine.run(on_running=started.set)
 
+    keep_freed_memory()
     threading.Thread(target=torch_thread, name="bench-engine", daemon=True).start()
     started.wait()
     if "error" in ready:

@@ -26,10 +26,12 @@ from app.settings import Settings  # noqa: E402
 from app.state import build_state  # noqa: E402
 from bench.engine import raw_forward  # noqa: E402
 from bench.serve import default_model  # noqa: E402
+from engine.model.host_memory import keep_freed_memory  # noqa: E402
 from engine.model.quant import Int4Weight  # noqa: E402
 
 
 def speed(batches: list[int], steps: int) -> None:
+    keep_freed_memory()
     state = build_state(CliApp.run(Settings, cli_args=["--int4-max-tokens", str(1 << 20)]))
     model = state.loaded.model
     threshold = model.int4_max_tokens
