@@ -67,30 +67,33 @@ class Sampler:
         processed = apply_penalties(requests, logits)
         if mask is not None:
             processed = mask.apply(processed)
-        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if self.kernels is not None and processed.device.type == "cpu" and processed.dtype == torch.float32:
             token_ids = sample_on_cpu(self.kernels, processed, requests, [r.num_tokens for r in requests])
-        elif not rows:
-            token_ids = processed.argmax(dim=-1)
         else:
-            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-            greedy = [i for i, r in enumerate(requests) if r.params.greedy]
-            if greedy:
-                token_ids[greedy] = processed[greedy].argmax(dim=-1)
-            sampled = [requests[i] for i in rows]
-            chosen = sample_rows(
-                processed if not greedy else processed[rows],
-                sampled,
-                [r.num_tokens for r in sampled],
-                out=self._buffer(len(rows), logits.shape[1], logits.device),
-            )
-            if greedy:
-                token_ids[rows] = chosen
-            else:
-                token_ids = chosen
+            token_ids = self._sample_with_torch(requests, processed)
         # The one device → host copy of the step's tokens.
         ids = token_ids.tolist()
         return SamplerOutput(ids, token_logprobs(requests, logits, ids))
+
+    def _sample_with_torch(self, requests: Sequence[Request], processed: torch.Tensor) -> torch.Tensor:
+        """The step's tokens on torch's kernels: an argmax for greedy rows, sample_rows for the rest."""
+        rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if not rows:
+            return processed.argmax(dim=-1)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled = [requests[i] for i in rows]
+        chosen = sample_rows(
+            processed if not greedy else processed[rows],
+            sampled,
+            [r.num_tokens for r in sampled],
+            out=self._buffer(len(rows), processed.shape[1], processed.device),
+        )
+        if not greedy:
+            return chosen
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=processed.device)
+        token_ids[greedy] = processed[greedy].argmax(dim=-1)
+        token_ids[rows] = chosen
+        return token_ids
 
     def _buffer(self, rows: int, vocab: int, device: torch.device) -> torch.Tensor:
         if self._workspace.numel() < rows * vocab or self._workspace.device != device:
