@@ -9,7 +9,8 @@ tokenizer and its 49,152-token vocabulary, made once under `--cache-dir`: the fo
 costs little, and what is left is what the process does per step and per token.
 
 At each level every request is submitted at once and runs to `--max-tokens` (ignore_eos); each
-level runs `--rounds` times (3) and the median round is reported.
+level runs `--rounds` times (3) and the median round is reported. The engine's and the
+server's rounds alternate, so a ratio compares figures taken close together in time.
 All three layers count **steady-state decode tokens/s** the same way: from the moment
 every request has its first token until the first one finishes, so the batch is at full
 width throughout and prefill is left out (its cost shows as TTFT p50, reported apart).
@@ -233,14 +234,20 @@ async def http_level(base: str, concurrency: int, args) -> dict:
     }
 
 
-def median_round(rounds: int, run) -> dict:
-    """The round with the median tokens/s of `rounds` runs of a level (short levels are noisy)."""
-    reports = sorted((run() for _ in range(rounds)), key=lambda r: next(v for k, v in r.items() if "tokens" in k))
+def median(reports: list[dict]) -> dict:
+    """The report with the median tokens/s of a level's rounds (short levels are noisy)."""
+    reports = sorted(reports, key=lambda r: next(v for k, v in r.items() if "tokens" in k))
     return reports[len(reports) // 2]
 
 
-def run_in_process(args, settings: Settings) -> dict[int, dict]:
-    """Raw and engine figures per level; every torch op on one thread, as in the server."""
+def run_levels(args, settings: Settings, base: str | None) -> dict[int, dict]:
+    """Raw, engine and (with `base`, a running server) HTTP figures per level.
+
+    The raw rounds run first, on the thread that then runs the engine loop (every torch op on
+    one thread, as in the server). At each level the engine's and the server's rounds then
+    alternate, so the two figures a ratio divides were taken minutes apart at most, not a
+    whole run apart: this machine's speed drifts more than that between runs.
+    """
 
     def first(state: ServerState) -> tuple[dict[int, float], StepProfile]:
         raw = {
@@ -253,10 +260,14 @@ def run_in_process(args, settings: Settings) -> dict[int, dict]:
     results = {}
     try:
         for concurrency in args.concurrency:
-            results[concurrency] = {"raw_tokens_per_s": round(raw[concurrency], 1)}
-            results[concurrency] |= median_round(
-                args.rounds, lambda: asyncio.run(engine_level(state, profile, concurrency, args))
-            )
+            engine_rounds, http_rounds = [], []
+            for _ in range(args.rounds):
+                engine_rounds.append(asyncio.run(engine_level(state, profile, concurrency, args)))
+                if base is not None:
+                    http_rounds.append(asyncio.run(http_level(base, concurrency, args)))
+            results[concurrency] = {"raw_tokens_per_s": round(raw[concurrency], 1)} | median(engine_rounds)
+            if http_rounds:
+                results[concurrency] |= median(http_rounds)
             print(concurrency, json.dumps(results[concurrency]), flush=True)
     finally:
         state.engine.shutdown()
@@ -281,16 +292,13 @@ def main() -> None:
     flags = f"--model {folder} --max-num-seqs {seats} --max-num-batched-tokens 4096 {args.flags}"
     settings = CliApp.run(Settings, cli_args=shlex.split(flags))
     torch.set_grad_enabled(False)
-    results = run_in_process(args, settings)
-    if not args.no_http:
-        proc, base = serve.spawn(flags)
-        try:
-            for concurrency in args.concurrency:
-                results[concurrency] |= median_round(
-                    args.rounds, lambda: asyncio.run(http_level(base, concurrency, args))
-                )
-                print(concurrency, json.dumps(results[concurrency]), flush=True)
-        finally:
+    # The server starts first and idles through the raw rounds; its engine thread sleeps until
+    # a request comes.
+    proc, base = serve.spawn(flags) if not args.no_http else (None, None)
+    try:
+        results = run_levels(args, settings, base)
+    finally:
+        if proc is not None:
             proc.terminate()
             proc.wait()
 
