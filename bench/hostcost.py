@@ -9,8 +9,8 @@ tokenizer and its 49,152-token vocabulary, made once under `--cache-dir`: the fo
 costs little, and what is left is what the process does per step and per token.
 
 At each level every request is submitted at once and runs to `--max-tokens` (ignore_eos); each
-level runs `--rounds` times (3) and the median round is reported. The engine's and the
-server's rounds alternate, so a ratio compares figures taken close together in time.
+level runs `--rounds` times (3) and the median round is reported. The raw, engine and server
+rounds alternate, so a ratio compares figures taken close together in time.
 All three layers count **steady-state decode tokens/s** the same way: from the moment
 every request has its first token until the first one finishes, so the batch is at full
 width throughout and prefill is left out (its cost shows as TTFT p50, reported apart).
@@ -27,12 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import queue
 import re
 import shlex
 import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -240,32 +243,61 @@ def median(reports: list[dict]) -> dict:
     return reports[len(reports) // 2]
 
 
+class EngineThreadJobs:
+    """Runs a callable on the engine's thread while the engine idles between levels' rounds: the raw
+    forward must run on the thread (and so the OpenMP pool) the engine steps on, and between the
+    engine's rounds rather than a whole run before them."""
+
+    _WAKE = object()
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], float], Future]] = queue.SimpleQueue()
+        drain = engine._drain_inbox
+
+        def drain_then_run_jobs(timeout: float) -> None:
+            drain(timeout)
+            while True:
+                try:
+                    job, done = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.set_result(job())
+                except BaseException as exc:  # noqa: BLE001 - reported by the waiting thread
+                    done.set_exception(exc)
+
+        engine._drain_inbox = drain_then_run_jobs
+
+    def run(self, job: Callable[[], float]) -> float:
+        done: Future = Future()
+        self._jobs.put((job, done))
+        # Anything in the inbox ends the engine's idle wait; an item it does not know is ignored.
+        self._engine._inbox.put(self._WAKE)
+        return done.result()
+
+
 def run_levels(args, settings: Settings, base: str | None) -> dict[int, dict]:
     """Raw, engine and (with `base`, a running server) HTTP figures per level.
 
-    The raw rounds run first, on the thread that then runs the engine loop (every torch op on
-    one thread, as in the server). At each level the engine's and the server's rounds then
-    alternate, so the two figures a ratio divides were taken minutes apart at most, not a
-    whole run apart: this machine's speed drifts more than that between runs.
+    At each level the three alternate round by round (raw, engine, HTTP, raw, ...), so the
+    figures a ratio divides were taken close together, not a whole run apart: this machine's
+    speed drifts more than that. The raw forward runs on the engine's own thread between its
+    rounds (every torch op on one thread, as in the server).
     """
-
-    def first(state: ServerState) -> tuple[dict[int, float], StepProfile]:
-        raw = {
-            c: statistics.median(raw_forward(state, c, args.max_tokens) for _ in range(args.rounds))
-            for c in args.concurrency
-        }
-        return raw, StepProfile(state.engine)
-
-    state, (raw, profile) = start_engine_thread(settings, first)
+    state, profile = start_engine_thread(settings, lambda state: StepProfile(state.engine))
+    jobs = EngineThreadJobs(state.engine)
     results = {}
     try:
         for concurrency in args.concurrency:
-            engine_rounds, http_rounds = [], []
+            raw_rounds, engine_rounds, http_rounds = [], [], []
             for _ in range(args.rounds):
+                raw_rounds.append(jobs.run(lambda: raw_forward(state, concurrency, args.max_tokens)))
                 engine_rounds.append(asyncio.run(engine_level(state, profile, concurrency, args)))
                 if base is not None:
                     http_rounds.append(asyncio.run(http_level(base, concurrency, args)))
-            results[concurrency] = {"raw_tokens_per_s": round(raw[concurrency], 1)} | median(engine_rounds)
+            results[concurrency] = {"raw_tokens_per_s": round(statistics.median(raw_rounds), 1)}
+            results[concurrency] |= median(engine_rounds)
             if http_rounds:
                 results[concurrency] |= median(http_rounds)
             print(concurrency, json.dumps(results[concurrency]), flush=True)
