@@ -324,7 +324,7 @@ def main() -> None:
     flags = f"--model {folder} --max-num-seqs {seats} --max-num-batched-tokens 4096 {args.flags}"
     settings = CliApp.run(Settings, cli_args=shlex.split(flags))
     torch.set_grad_enabled(False)
-    # The server starts first and idles through the raw rounds; its engine thread sleeps until
+    # The server starts first and idles through the raw and engine rounds; its engine thread sleeps until
     # a request comes.
     proc, base = serve.spawn(flags) if not args.no_http else (None, None)
     try:
