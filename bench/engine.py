@@ -72,7 +72,7 @@ def raw_forward(state: ServerState, batch: int, steps: int) -> float:
         requests.append(request)
     try:
         segments = [Segment(r, 0, r.token_ids, Logits.LAST) for r in requests]
-        next_ids = engine.runner.run(segments).argmax(dim=-1).tolist()
+        next_ids = engine.runner.run(segments).logits.argmax(dim=-1).tolist()
         elapsed = 0.0
         for step in range(steps):
             segments = []
@@ -80,7 +80,7 @@ def raw_forward(state: ServerState, batch: int, steps: int) -> float:
                 request.token_ids.append(token_id)
                 segments.append(Segment(request, request.num_tokens - 1, [token_id], Logits.LAST))
             start = time.perf_counter()
-            next_ids = engine.runner.run(segments).argmax(dim=-1).tolist()
+            next_ids = engine.runner.run(segments).logits.argmax(dim=-1).tolist()
             if step:  # the first step warms this batch shape up
                 elapsed += time.perf_counter() - start
         return batch * (steps - 1) / elapsed

@@ -11,12 +11,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.kv_cache import BlockManager, KVCache
-from engine.model.causal_lm import PagedCausalLM
+from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
 from engine.output import OutputProcessor
@@ -274,7 +272,7 @@ class Engine:
             return False
         pending_masks = self._start_masks(plan)
         try:
-            samplers, logits = self.runner.execute(plan)
+            samplers, head = self.runner.execute(plan)
         finally:
             # Never leave the worker holding matchers this thread is about to advance.
             masks = pending_masks.result() if pending_masks is not None else None
@@ -282,7 +280,7 @@ class Engine:
             self._fault_pending = False
             raise _InjectedFault("injected fault")
         samplers, row_starts = self._fork_choices(plan, samplers, masks)
-        outputs = self._sample(plan, proposals, samplers, row_starts, logits, masks)
+        outputs = self._sample(plan, proposals, samplers, row_starts, head, masks)
         forced = self._advance_constraints(samplers, outputs)
         kept = self.scheduler.postprocess(plan, {key: tokens for key, (tokens, _) in outputs.items()}, forced)
         now = time.monotonic()
@@ -365,19 +363,22 @@ class Engine:
         proposals: dict[int, Proposal],
         samplers: list[Request],
         row_starts: list[int],
-        logits: torch.Tensor,
+        head: HeadOutput,
         masks: StepMasks | None,
     ) -> dict[int, tuple[list[int], list[TokenLogprob]]]:
         """Tokens (and logprobs) for every sampling request: one sampled, or verified proposals."""
         outputs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
+        logits, block_max = head.logits, head.block_max
         plain = [i for i, r in enumerate(samplers) if id(r) not in plan.proposals]
         if plain:
             requests = [samplers[i] for i in plain]
             starts = [row_starts[i] for i in plain]
             # Rows are already in order when no request verifies proposals: no gather copy.
-            plain_logits = logits if starts == list(range(logits.shape[0])) else logits[starts]
+            if starts != list(range(logits.shape[0])):
+                logits = logits[starts]
+                block_max = block_max[starts] if block_max is not None else None
             mask = masks.for_rows(requests, [0] * len(requests)) if masks is not None else None
-            sampled = self.sampler.sample(requests, plain_logits, mask)
+            sampled = self.sampler.sample(requests, logits, mask, block_max)
             for request, token_id, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
                 outputs[id(request)] = ([token_id], [logprob] if logprob else [])
         verifying = [i for i, r in enumerate(samplers) if id(r) in plan.proposals]
@@ -395,7 +396,8 @@ class Engine:
                     [r for r, p in zip(requests, trimmed) for _ in range(len(p.token_ids) + 1)],
                     [offset for p in trimmed for offset in range(len(p.token_ids) + 1)],
                 )
-            for request, proposal, result in zip(requests, trimmed, verify(requests, trimmed, logits[rows], mask)):
+            verified = verify(requests, trimmed, head.logits[rows], mask)
+            for request, proposal, result in zip(requests, trimmed, verified):
                 request.num_draft_tokens += len(proposal.token_ids)
                 request.num_accepted_tokens += result.num_accepted
                 self._num_draft_tokens += len(proposal.token_ids)

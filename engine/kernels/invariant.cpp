@@ -26,8 +26,11 @@ namespace {
 
 using sluice::exp256;
 using sluice::hsum;
+using sluice::row_max;
 
 constexpr int kPanel = 16;  // output columns per packed weight panel: two AVX registers
+// Columns per block of sl_linear's block maxima: the sampler's block (kBlock in sampling.cpp).
+constexpr int64_t kMaxBlock = 256;
 
 // Rows x (panels * 16) outputs, each a k-ordered FMA chain from zero. Every variant does the
 // same arithmetic per element; they differ only in how many elements share a pass over k.
@@ -157,13 +160,25 @@ extern "C" {
 
 // y[M, N] = x[M, K] @ W.T, with W packed by sl_pack_weight. Threads split the output columns
 // (never k); each walks its columns four panels at a time, over every row.
-void sl_linear(const float* x, int64_t m_dim, int64_t k_dim, const float* wp, int64_t n_dim, float* y) {
+//
+// With block_max (else null), also block_max[M, ceil(N / 256)]: the largest value of each row's
+// 256-column blocks, taken while the tile is still in L1, so the sampler never reads a whole row of
+// logits to find its max. Threads then split the columns at block boundaries, so one thread owns each
+// block; every element's arithmetic is the same either way.
+void sl_linear(const float* x, int64_t m_dim, int64_t k_dim, const float* wp, int64_t n_dim, float* y,
+               float* block_max) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t full = n_dim / kPanel;
+  const int64_t block_panels = kMaxBlock / kPanel;
+  const int64_t num_blocks = (panels + block_panels - 1) / block_panels;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    const int64_t p_first = panels * thread / threads, p_last = panels * (thread + 1) / threads;
+    int64_t p_first = panels * thread / threads, p_last = panels * (thread + 1) / threads;
+    if (block_max != nullptr) {
+      p_first = std::min(panels, num_blocks * thread / threads * block_panels);
+      p_last = std::min(panels, num_blocks * (thread + 1) / threads * block_panels);
+    }
     for (int64_t p_begin = p_first; p_begin < p_last; p_begin += 4) {
       const int64_t p_end = std::min(p_begin + 4, p_last);
       const int64_t p_full = std::min(p_end, full);
@@ -176,6 +191,14 @@ void sl_linear(const float* x, int64_t m_dim, int64_t k_dim, const float* wp, in
           row_block(rows, x + m * k_dim, k_dim, wp + full * k_dim * kPanel, 0, 1, spill, kPanel);
           for (int r = 0; r < rows; ++r)
             memcpy(y + (m + r) * n_dim + full * kPanel, spill + r * kPanel, (n_dim - full * kPanel) * sizeof(float));
+        }
+        if (block_max == nullptr) continue;
+        // p_begin steps by 4 from a block boundary, so these columns lie in one block.
+        const int64_t first_column = p_begin * kPanel, end_column = std::min(p_end * kPanel, n_dim);
+        for (int r = 0; r < rows; ++r) {
+          const float found = row_max(y + (m + r) * n_dim + first_column, end_column - first_column);
+          float& slot = block_max[(m + r) * num_blocks + p_begin / block_panels];
+          slot = p_begin % block_panels == 0 ? found : std::max(slot, found);
         }
       }
     }

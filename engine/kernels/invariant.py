@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Columns per block of PackedLinear.with_block_max: the sampler's block (kBlock in sampling.cpp).
+BLOCK = 256
+
 
 @dataclass(frozen=True)
 class PackedLinear:
@@ -34,10 +37,26 @@ class PackedLinear:
         return cls(library, panels, out_features, in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, None)
+
+    def with_block_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output, and the largest value of each BLOCK-column block of each of its rows
+        [..., ceil(out_features / BLOCK)], found while the kernel still holds them in cache (for an
+        output head: the sampler then never reads a whole row of logits for its max)."""
+        maxima = torch.empty(*x.shape[:-1], -(-self.out_features // BLOCK), dtype=torch.float32)
+        return self._run(x, maxima), maxima
+
+    def _run(self, x: torch.Tensor, maxima: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.library.sl_linear(
-            rows.data_ptr(), rows.shape[0], self.in_features, self.panels.data_ptr(), self.out_features, out.data_ptr()
+            rows.data_ptr(),
+            rows.shape[0],
+            self.in_features,
+            self.panels.data_ptr(),
+            self.out_features,
+            out.data_ptr(),
+            None if maxima is None else maxima.data_ptr(),
         )
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -66,12 +66,12 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
             return None
         staging.replace(target)
     library = ctypes.CDLL(str(target))
-    library.sl_linear.argtypes = [_P, _I, _I, _P, _I, _P]
+    library.sl_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P]
     library.sl_linear.restype = None
     library.sl_pack_weight.argtypes = [_P, _I, _I, _P]
     library.sl_pack_weight.restype = None
     library.sl_paged_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P]
     library.sl_paged_attention.restype = None
-    library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+    library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]
     library.sl_sample.restype = None
     return library

@@ -2,7 +2,9 @@
 // step's float32 logits, with the semantics of engine/sampling/sampler.py.
 //
 // A greedy row is one argmax. A sampled row is a max pass, one exp pass that also sums each
-// 256-token block, and a two-level inverse-CDF draw (the block, then the token inside it).
+// 256-token block, and a two-level inverse-CDF draw (the block, then the token inside it). Where the
+// output head's kernel gave each block's max (sl_linear), a greedy row reads only the block holding
+// its max and a sampled row skips the max pass: no pass over the row's logits just for its max.
 // Top-k cuts at the k-th largest weight, found with a k-heap behind a vector compare; min-p at a
 // floor; top-p by rejection with no sort: a drawn token is kept when the mass heavier than it is
 // below top_p, otherwise every token as light as it goes and the row draws again. The pass that
@@ -26,6 +28,7 @@ namespace {
 
 using sluice::exp256;
 using sluice::hsum;
+using sluice::row_max;
 
 constexpr int64_t kBlock = 256;
 // Rejection rounds before the rest of a row's nucleus is found by sorting, as in the torch path
@@ -45,28 +48,25 @@ double uniform(uint64_t key, int64_t position, uint64_t lane) {
   return static_cast<double>(x >> 11) * 0x1.0p-53;
 }
 
-float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-float row_max(const float* x, int64_t n) {
-  __m256 best = _mm256_set1_ps(-INFINITY);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(x + i));
-  float m = hmax(best);
-  for (; i < n; ++i) m = std::max(m, x[i]);
-  return m;
-}
-
 // The first index of the largest value, as torch's argmax breaks ties.
 int64_t argmax(const float* x, int64_t n) {
   const float m = row_max(x, n);
   for (int64_t i = 0; i < n; ++i)
     if (x[i] == m) return i;
   return 0;
+}
+
+// The same, given each block's largest value: only the first block holding the max is read.
+int64_t argmax_by_blocks(const float* x, int64_t n, const float* maxima) {
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  const float m = row_max(maxima, num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (maxima[b] != m) continue;
+    for (int64_t i = b * kBlock, end = std::min(n, (b + 1) * kBlock); i < end; ++i)
+      if (x[i] == m) return i;
+  }
+  // Only a NaN gets here (no value equals the max): read the row as torch would.
+  return argmax(x, n);
 }
 
 __m256i tail_mask(int64_t left) {
@@ -189,12 +189,13 @@ struct Workspace {
   std::vector<float> weights, blocks, scratch;
 };
 
-int64_t sample_row(const float* x, int64_t n, float inverse_t, int64_t top_k, float top_p, float min_p,
-                   uint64_t key, int64_t position, Workspace& space) {
-  if (inverse_t <= 0.0f) return argmax(x, n);
-  const float m = row_max(x, n);
-  if (m == -INFINITY) return 0;
+// `maxima`: each block's largest value of x, where the output head's kernel gave them (else null).
+int64_t sample_row(const float* x, int64_t n, const float* maxima, float inverse_t, int64_t top_k, float top_p,
+                   float min_p, uint64_t key, int64_t position, Workspace& space) {
   const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  if (inverse_t <= 0.0f) return maxima != nullptr ? argmax_by_blocks(x, n, maxima) : argmax(x, n);
+  const float m = maxima != nullptr ? row_max(maxima, num_blocks) : row_max(x, n);
+  if (m == -INFINITY) return 0;
   space.weights.resize((n + 7) / 8 * 8);
   space.blocks.resize(num_blocks);
   float* w = space.weights.data();
@@ -238,15 +239,20 @@ extern "C" {
 // tokens[r] for each row r of logits [rows, n] (row stride `stride`): argmax where
 // inverse_t[r] is 0, otherwise a draw at temperature 1 / inverse_t[r] with top_k[r] (0: off),
 // top_p[r] (1: off) and min_p[r] (0: off), from the uniforms of (keys[r], positions[r]).
+// block_max (else null) holds rows of ceil(n / 256) block maxima from sl_linear: row r's are row
+// maxima_rows[r] of it, or none where that is -1 (logits changed since the head computed them).
 void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, const float* inverse_t,
                const int64_t* top_k, const float* top_p, const float* min_p, const uint64_t* keys,
-               const int64_t* positions, int64_t* tokens) {
+               const int64_t* positions, const float* block_max, const int64_t* maxima_rows, int64_t* tokens) {
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
   // Rows differ in cost (greedy, rejection rounds): hand them out one at a time.
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
   for (int64_t r = 0; r < rows; ++r) {
     // Per thread and kept across calls: OpenMP's workers live as long as the process.
     static thread_local Workspace space;
-    tokens[r] = sample_row(logits + r * stride, n, inverse_t[r], top_k[r], top_p[r], min_p[r], keys[r],
+    const float* maxima =
+        block_max != nullptr && maxima_rows[r] >= 0 ? block_max + maxima_rows[r] * num_blocks : nullptr;
+    tokens[r] = sample_row(logits + r * stride, n, maxima, inverse_t[r], top_k[r], top_p[r], min_p[r], keys[r],
                            positions[r], space);
   }
 }

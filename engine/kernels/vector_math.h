@@ -4,6 +4,8 @@
 #pragma once
 
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 namespace sluice {
 
@@ -24,6 +26,22 @@ inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float row_max(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(best, _mm256_loadu_ps(x + i));
+  float m = hmax(best);
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
 }
 
 inline float hsum(__m256 v) {

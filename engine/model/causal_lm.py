@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -18,6 +19,16 @@ SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """A forward's float32 logits [R, V] and, where the output head ran on the batch-invariant kernel,
+    the largest logit of each 256-token block [R, ceil(V / 256)] (the sampler's block): found while
+    the kernel held them in cache, they spare the sampler a pass over each row for its max."""
+
+    logits: torch.Tensor
+    block_max: torch.Tensor | None = None
 
 
 class PagedCausalLM:
@@ -89,7 +100,7 @@ class PagedCausalLM:
         kv_cache: KVCache,
         logits_indices: torch.Tensor,
         allow_int4: bool = True,
-    ) -> torch.Tensor:
+    ) -> HeadOutput:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
         num_tokens = input_ids.shape[0]
         weights = self._int4 if allow_int4 and num_tokens <= self.int4_max_tokens else self._packed
@@ -117,7 +128,10 @@ class PagedCausalLM:
             mlp = layer.mlp
             hidden = hidden + project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
         hidden = self.norm(hidden[logits_indices])
-        return project(self.lm_head, hidden).float()
+        head = weights.get(self.lm_head) or self._packed.get(self.lm_head)
+        if isinstance(head, PackedLinear):
+            return HeadOutput(*head.with_block_max(hidden))
+        return HeadOutput(project(self.lm_head, hidden).float())
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from engine.kernels.invariant import KernelAttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, PrefillChunk
-from engine.model.causal_lm import PagedCausalLM
+from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.request import Request
 from engine.scheduler import StepPlan
 
@@ -48,7 +48,7 @@ class ModelRunner:
             device=model.device,
         )
 
-    def execute(self, plan: StepPlan) -> tuple[list[Request], torch.Tensor]:
+    def execute(self, plan: StepPlan) -> tuple[list[Request], HeadOutput]:
         """Run one forward; return the requests that sample this step and their logits rows
         (one each, or one per proposal plus one for a request verifying proposals)."""
         segments: list[Segment] = []
@@ -67,7 +67,7 @@ class ModelRunner:
                 segments.append(Segment(request, start, request.token_ids[start : start + num_new], Logits.NONE))
         return samplers, self.run(segments)
 
-    def run(self, segments: list[Segment]) -> torch.Tensor:
+    def run(self, segments: list[Segment]) -> HeadOutput:
         """One forward over `segments` (single-token ones first); logits rows in segment order.
 
         Each segment's tokens sit at positions start, start + 1, ... of its request and

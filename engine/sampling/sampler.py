@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+# Tokens per block of the two-level draw: the kernels' block, so the output head's block maxima fit it.
+from engine.kernels.invariant import BLOCK
 from engine.kernels.sampling import sample_on_cpu
 from engine.request import Request
 from engine.sampling.draws import uniforms
 from engine.sampling.grammar import RowMask
 
-# Tokens per block of the two-level draw.
-BLOCK = 256
 # Rounds of the top-p rejection loop before the rows still undecided (rare) are sorted.
 MAX_REJECTION_ROUNDS = 16
 
@@ -60,15 +60,28 @@ class Sampler:
         self.kernels = kernels
         self._workspace = torch.empty(0)
 
-    def sample(self, requests: Sequence[Request], logits: torch.Tensor, mask: RowMask | None = None) -> SamplerOutput:
+    def sample(
+        self,
+        requests: Sequence[Request],
+        logits: torch.Tensor,
+        mask: RowMask | None = None,
+        block_max: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """One token per row of float32 `logits` [R, V], row i belonging to requests[i]; the
         token of row i takes position requests[i].num_tokens. `mask` limits constrained rows
-        to the tokens their grammar allows (logprobs still describe the model's own scores)."""
+        to the tokens their grammar allows (logprobs still describe the model's own scores).
+        `block_max`, the largest logit of each BLOCK-token block per row as the output head's
+        kernel found it, spares the CPU kernel its pass for each row's max."""
         processed = apply_penalties(requests, logits)
         if mask is not None:
             processed = mask.apply(processed)
         if self.kernels is not None and processed.device.type == "cpu" and processed.dtype == torch.float32:
-            token_ids = sample_on_cpu(self.kernels, processed, requests, [r.num_tokens for r in requests])
+            maxima = None
+            if block_max is not None:
+                # Rows that penalties or a grammar changed no longer have the head's maxima.
+                changed = {i for i, r in enumerate(requests) if r.params.penalized} | set(mask.rows if mask else ())
+                maxima = (block_max, [-1 if i in changed else i for i in range(len(requests))])
+            token_ids = sample_on_cpu(self.kernels, processed, requests, [r.num_tokens for r in requests], maxima)
         else:
             token_ids = self._sample_with_torch(requests, processed)
         # The one device → host copy of the step's tokens.

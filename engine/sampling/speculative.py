@@ -94,7 +94,7 @@ class DraftProposer:
         ]
         while segments:
             segments.sort(key=lambda s: len(s.token_ids) > 1)
-            logits = self.runner.run(segments)
+            logits = self.runner.run(segments).logits
             active = [s.request for s in segments]
             processed = apply_penalties(active, logits, [drafts[id(r)] for r in active])
             chosen = processed.argmax(dim=-1).tolist()

@@ -35,6 +35,19 @@ def test_a_linear_row_is_the_same_alone_and_in_any_batch(library, out_features, 
             assert torch.equal(linear(x[offset : offset + rows]), full[offset : offset + rows]), (rows, offset)
 
 
+@pytest.mark.parametrize(("out_features", "rows"), [(100, 7), (576, 13), (1000, 1), (49152, 64)])
+def test_the_heads_block_maxima_are_each_blocks_max_and_change_no_output(library, out_features, rows):
+    torch.manual_seed(0)
+    linear = PackedLinear.pack(library, torch.randn(out_features, 64))
+    x = torch.randn(rows, 64)
+    out, maxima = linear.with_block_max(x)
+    assert torch.equal(out, linear(x))
+    blocks = -(-out_features // 256)
+    padded = torch.full((rows, blocks * 256), -torch.inf)
+    padded[:, :out_features] = out
+    assert torch.equal(maxima, padded.view(rows, blocks, 256).amax(dim=-1))
+
+
 def _paged(library, q, cache, tables, table_rows, context_lens):
     meta = KernelAttentionMetadata(
         library=library,

@@ -234,3 +234,56 @@ def test_the_kernel_and_torch_draw_the_same_tokens():
     by_torch = Sampler().sample(requests, logits).token_ids
     by_kernel = Sampler(library).sample(requests, logits).token_ids
     assert sum(a != b for a, b in zip(by_torch, by_kernel)) <= 2
+
+
+def _head_and_block_max(library, rows: int, vocab: int, generator: torch.Generator):
+    """Logits from the kernel's output head, with its block maxima; integer weights and inputs make
+    ties for the max, within and across blocks."""
+    from engine.kernels.invariant import PackedLinear
+
+    head = PackedLinear.pack(library, torch.randint(-3, 4, (vocab, 8), generator=generator).float())
+    return head.with_block_max(torch.randint(-2, 3, (rows, 8), generator=generator).float())
+
+
+def test_the_heads_block_maxima_change_no_token():
+    """Given the output head's block maxima the kernel skips its max pass and reads only the
+    block holding a greedy row's max; the tokens are the ones it draws without them."""
+    library = load_library(CACHE_DIR)
+    if library is None:
+        pytest.skip("Sluice's CPU kernels cannot run here")
+    generator = torch.Generator().manual_seed(5)
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=0.7),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.0, top_k=40),
+        dict(temperature=1.0, min_p=0.1),
+    ]
+    for vocab in (1000, 49152):
+        logits, block_max = _head_and_block_max(library, 60, vocab, generator)
+        requests = [request(seed=i, **settings[i % len(settings)]) for i in range(60)]
+        with_maxima = Sampler(library).sample(requests, logits, block_max=block_max).token_ids
+        assert with_maxima == Sampler(library).sample(requests, logits).token_ids
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        assert [with_maxima[i] for i in greedy] == logits[greedy].argmax(dim=-1).tolist()
+
+
+def test_rows_that_penalties_or_a_grammar_changed_ignore_the_heads_block_maxima():
+    from engine.sampling.grammar import RowMask
+
+    library = load_library(CACHE_DIR)
+    if library is None:
+        pytest.skip("Sluice's CPU kernels cannot run here")
+    logits, block_max = _head_and_block_max(library, 2, 1000, torch.Generator().manual_seed(6))
+    best = logits.argmax(dim=-1).tolist()
+    # A bias makes another token the best; a grammar forbids the best and token 0 (which a row whose
+    # weights all underflowed against the stale max would fall back to).
+    biased = request(temperature=0.0, logit_bias=((best[0] + 1, 100.0),))
+    allowed = torch.ones(1, 1000, dtype=torch.bool)
+    allowed[0, [0, best[1]]] = False
+    constrained = request(temperature=0.01, seed=3)
+    token_ids = (
+        Sampler(library).sample([biased, constrained], logits, RowMask([1], allowed), block_max=block_max).token_ids
+    )
+    assert token_ids[0] == best[0] + 1
+    assert allowed[0, token_ids[1]]
