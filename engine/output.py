@@ -25,6 +25,18 @@ class OutputProcessor:
     def emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> None:
         """Detokenize, cut at a stop string, and push once `stream_interval` tokens are pending
         or the request has finished. A burst of several tokens goes out as one chunk."""
+        if (
+            not request.params.stop
+            and not request.pending_token_ids
+            and len(token_ids) >= request.params.stream_interval
+            and not request.is_finished
+        ):
+            # Most calls of a step: a running request with nothing held back, whose tokens go out now.
+            self.outbox.stage(
+                request.channel,
+                Chunk(tuple(token_ids), request.detokenizer.decode(token_ids), request.index, tuple(logprobs)),
+            )
+            return
         shown = token_ids
         if request.finish_reason == FinishReason.STOP and self.scheduler.is_stop_token(request, token_ids[-1]):
             # The stop token is counted but neither shown nor scored, like a stop string.
