@@ -2,8 +2,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # The GPU's Triton kernels then run in Triton's interpreter, on CPU tensors. Triton reads this when
+    # it is first imported, which any test module may do.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CACHE_DIR = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
 

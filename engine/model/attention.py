@@ -8,13 +8,16 @@ Tokens of one step are laid out decodes first, then prefill chunks:
 
 Linear layers run on all T tokens at once (no padding). With torch's kernels,
 decodes share one batched attention call, padded only inside the K/V gather and
-masked, and each prefill chunk gets its own call. With the batch-invariant
+masked (on a GPU, the Triton kernel reads them through the block table instead),
+and each prefill chunk gets its own call. With the batch-invariant
 kernels every query, decode or chunk, reads its own request's keys through the
 block table in one call (engine/kernels/invariant.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +42,29 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedDecode:
+    """The decodes' block tables and context lengths, for a kernel that reads the cache through them
+    (engine/kernels/paged_decode.py on a GPU) instead of a padded gather of every context."""
+
+    kernel: Callable[..., torch.Tensor]
+    # [D, W] block table of each decode's request, padded with block 0.
+    block_tables: torch.Tensor
+    # [D] keys each decode attends to: its position + 1.
+    context_lens: torch.Tensor
+    block_size: int
+
+
+def gpu_decode_kernel(device: torch.device, block_size: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
+    """The Triton paged decode kernel where it runs: a CUDA device, Triton installed (it ships with
+    CUDA PyTorch), and a cache block and head it takes; None elsewhere (the SDPA path then runs)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from engine.kernels import paged_decode
+
+    return paged_decode.paged_decode_attention if paged_decode.supports(block_size, head_dim) else None
+
+
+@dataclass
 class AttentionMetadata:
     """Where each token's K/V is written and which cached K/V each query reads."""
 
@@ -53,6 +79,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # For the batch-invariant kernels instead of the fields above (they are then empty).
     kernel: KernelAttentionMetadata | None = None
+    # For a paged decode kernel instead of decode_slots and decode_mask.
+    paged_decode: PagedDecode | None = None
 
 
 def paged_attention(
@@ -74,7 +102,12 @@ def paged_attention(
     out = torch.empty_like(q)
 
     num_decodes = meta.num_decode_tokens
-    if num_decodes:
+    if num_decodes and meta.paged_decode is not None:
+        decode = meta.paged_decode
+        out[:num_decodes] = decode.kernel(
+            q[:num_decodes], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
+        )
+    elif num_decodes:
         # Grouped-query attention without copying K/V: the query heads that share a
         # KV head sit on the "query length" axis of one SDPA call.
         group = num_heads // num_kv_heads

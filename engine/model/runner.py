@@ -9,7 +9,7 @@ import torch
 
 from engine.kernels.invariant import KernelAttentionMetadata
 from engine.kv_cache import KVCache
-from engine.model.attention import AttentionMetadata, PrefillChunk
+from engine.model.attention import AttentionMetadata, PagedDecode, PrefillChunk, gpu_decode_kernel
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.request import Request
 from engine.scheduler import StepPlan
@@ -38,6 +38,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = model.device
+        # The GPU's paged decode kernel, where it runs (else decodes gather their contexts for SDPA).
+        self.decode_kernel = gpu_decode_kernel(self.device, block_size, model.head_dim)
         self.kv_cache = KVCache.allocate(
             num_layers=model.num_layers,
             num_blocks=num_blocks,
@@ -146,7 +148,15 @@ class ModelRunner:
             offset += num_new
         decodes = [segment for segment in segments if len(segment.token_ids) == 1]
         meta.num_decode_tokens = len(decodes)
-        if decodes:
+        if decodes and self.decode_kernel is not None:
+            width = max(-(-(segment.start + 1) // self.block_size) for segment in decodes)
+            meta.paged_decode = PagedDecode(
+                kernel=self.decode_kernel,
+                block_tables=self._tensor([(s.request.block_table[:width] + [0] * width)[:width] for s in decodes]),
+                context_lens=self._tensor([segment.start + 1 for segment in decodes]),
+                block_size=self.block_size,
+            )
+        elif decodes:
             meta.decode_slots, meta.decode_mask = self._decode_context(
                 [segment.request for segment in decodes], [segment.start for segment in decodes]
             )
