@@ -55,9 +55,10 @@ def tiny_loaded(
     repetitive: bool = False,
     vocab_size: int = TINY_VOCAB,
     kernels: bool = False,
+    device: str = "cpu",
 ) -> LoadedModel:
     """`kernels`: run on the batch-invariant kernels, as a server does by default."""
-    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size)
+    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size).to(device)
     model = PagedCausalLM(hf)
     if kernels:
         use_invariant_kernels(model, hf, CACHE_DIR)

@@ -79,7 +79,7 @@ def test_shapes_the_kernel_does_not_take():
 async def test_an_engine_decoding_through_the_kernel_gives_the_tokens_of_the_sdpa_path(default_tokenizer):
     """The runner's wiring: block tables and context lengths of every decode in a ragged batch whose
     contexts cross cache blocks (here on the CPU, through Triton's interpreter, where CUDA is not)."""
-    loaded = tiny_loaded(default_tokenizer)
+    loaded = tiny_loaded(default_tokenizer, device=DEVICE)
     prompts = [list(range(20, 60)), [5, 9, 13], [7] * 15, list(range(100, 131))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
