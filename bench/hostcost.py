@@ -19,7 +19,8 @@ width throughout and prefill is left out (its cost shows as TTFT p50, reported a
 - `engine`: the Engine in process, requests submitted straight into it; the engine thread's
   time per part of the step (schedule, forward, sample, output, bridge) is reported too.
 - `http`: a Sluice server with the same flags, driven by a minimal asyncio client that
-  counts SSE chunks (and reads the token count from the usage chunk).
+  counts SSE chunks (and reads the token count from the usage chunk); with the CPU time its event loop
+  spent per content chunk (from /proc, over the whole round: start-up and finish included).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import queue
 import re
 import shlex
@@ -202,8 +204,19 @@ async def http_one(host: str, port: int, body: bytes) -> tuple[float, list[tuple
     return sent, arrivals, tokens
 
 
-async def http_level(base: str, concurrency: int, args) -> dict:
+def loop_cpu_seconds(server_pid: int | None) -> float | None:
+    """CPU time so far of the server's event loop (its main thread), where /proc tells it."""
+    stat = Path(f"/proc/{server_pid}/task/{server_pid}/stat")
+    if server_pid is None or not stat.exists():
+        return None
+    # utime and stime are fields 14 and 15; the name before ")" may hold spaces.
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def http_level(base: str, server_pid: int | None, concurrency: int, args) -> dict:
     url = urlsplit(base)
+    cpu_before = loop_cpu_seconds(server_pid)
     results = await asyncio.gather(
         *[
             http_one(
@@ -231,10 +244,15 @@ async def http_level(base: str, concurrency: int, args) -> dict:
         scale = tokens / chunks if chunks > 0 else 1.0
         scaled.append([(t, n * scale) for t, n in arrivals])
     ttfts = sorted(a[0][0] - sent for (sent, a, _) in results if a)
-    return {
+    cpu_after = loop_cpu_seconds(server_pid)
+    chunks = sum(n for _, arrivals, _ in results for _, n in arrivals)
+    report = {
         "http_tokens_per_s": round(steady_rate(scaled), 1),
         "http_ttft_p50_s": serve.rounded(serve.percentile(ttfts, 0.5)),
     }
+    if cpu_before is not None and cpu_after is not None and chunks:
+        report["loop_cpu_us_per_chunk"] = round(1e6 * (cpu_after - cpu_before) / chunks, 1)
+    return report
 
 
 def median(reports: list[dict]) -> dict:
@@ -277,7 +295,7 @@ class EngineThreadJobs:
         return done.result()
 
 
-def run_levels(args, settings: Settings, base: str | None) -> dict[int, dict]:
+def run_levels(args, settings: Settings, base: str | None, server_pid: int | None) -> dict[int, dict]:
     """Raw, engine and (with `base`, a running server) HTTP figures per level.
 
     At each level the three alternate round by round (raw, engine, HTTP, raw, ...), so the
@@ -295,7 +313,7 @@ def run_levels(args, settings: Settings, base: str | None) -> dict[int, dict]:
                 raw_rounds.append(jobs.run(lambda: raw_forward(state, concurrency, args.max_tokens)))
                 engine_rounds.append(asyncio.run(engine_level(state, profile, concurrency, args)))
                 if base is not None:
-                    http_rounds.append(asyncio.run(http_level(base, concurrency, args)))
+                    http_rounds.append(asyncio.run(http_level(base, server_pid, concurrency, args)))
             results[concurrency] = {"raw_tokens_per_s": round(statistics.median(raw_rounds), 1)}
             results[concurrency] |= median(engine_rounds)
             if http_rounds:
@@ -328,19 +346,25 @@ def main() -> None:
     # a request comes.
     proc, base = serve.spawn(flags) if not args.no_http else (None, None)
     try:
-        results = run_levels(args, settings, base)
+        results = run_levels(args, settings, base, proc.pid if proc is not None else None)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait()
 
     print(f"\n`python {' '.join(sys.argv)}`\n")
-    print("| streams | raw tok/s | engine tok/s | engine / raw | HTTP tok/s | HTTP / engine | engine TTFT p50 |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| streams | raw tok/s | engine tok/s | engine / raw | HTTP tok/s | HTTP / engine | engine TTFT p50 "
+        "| loop CPU µs per chunk |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for concurrency, r in results.items():
         raw, engine, http = r["raw_tokens_per_s"], r["engine_tokens_per_s"], r.get("http_tokens_per_s")
         http_cells = f"{http} | {http / engine:.2f}" if http else "- | -"
-        print(f"| {concurrency} | {raw} | {engine} | {engine / raw:.2f} | {http_cells} | {r['engine_ttft_p50_s']} s |")
+        print(
+            f"| {concurrency} | {raw} | {engine} | {engine / raw:.2f} | {http_cells} | {r['engine_ttft_p50_s']} s "
+            f"| {r.get('loop_cpu_us_per_chunk', '-')} |"
+        )
     print("\n| streams | step ms | " + " | ".join(StepProfile.PARTS) + " | other |")
     print("|---|---|" + "---|" * (len(StepProfile.PARTS) + 1))
     for concurrency, r in results.items():
