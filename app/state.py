@@ -105,7 +105,8 @@ class ServerState:
             raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a hop per request for an attribute.
     return request.app.state.sluice
 
 
