@@ -82,7 +82,10 @@ class StreamChannel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int = 1) -> None:
         self.loop = loop
-        self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
+        # Delivered and not yet read, and the reader's wake-up while it waits for more. A list and a
+        # future rather than an asyncio.Queue: this runs once per token of every stream.
+        self._delivered: list[Chunk] = []
+        self._waiter: asyncio.Future[None] | None = None
         self._cancelled = threading.Event()
         self._num_choices = num_choices
         self._open_choices = set(range(num_choices))
@@ -118,23 +121,31 @@ class StreamChannel:
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         open_choices = self._num_choices
         while open_choices:
-            for chunk in self._coalesce([await self._queue.get()]):
+            if not self._delivered:
+                self._waiter = self.loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            chunks, self._delivered = self._delivered, []
+            for chunk in chunks if len(chunks) == 1 else _coalesce(chunks):
                 self._read_tokens += len(chunk.token_ids)
                 open_choices -= chunk.is_terminal
                 yield chunk
 
     def deliver(self, chunk: Chunk) -> None:
         """Called by the Outbox's callback on the loop: queue a chunk for the reader."""
-        self._queue.put_nowait(chunk)
+        self._delivered.append(chunk)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
-    def _coalesce(self, chunks: list[Chunk]) -> list[Chunk]:
-        """Everything queued, merged into one chunk per choice in first-seen order."""
-        while not self._queue.empty():
-            chunks.append(self._queue.get_nowait())
-        merged: dict[int, Chunk] = {}
-        for chunk in chunks:
-            merged[chunk.index] = merged[chunk.index].then(chunk) if chunk.index in merged else chunk
-        return list(merged.values())
+
+def _coalesce(chunks: list[Chunk]) -> list[Chunk]:
+    """Chunks a reader fell behind on, merged into one chunk per choice in first-seen order."""
+    merged: dict[int, Chunk] = {}
+    for chunk in chunks:
+        merged[chunk.index] = merged[chunk.index].then(chunk) if chunk.index in merged else chunk
+    return list(merged.values())
 
 
 class Outbox:
