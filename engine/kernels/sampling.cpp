@@ -239,8 +239,9 @@ extern "C" {
 // tokens[r] for each row r of logits [rows, n] (row stride `stride`): argmax where
 // inverse_t[r] is 0, otherwise a draw at temperature 1 / inverse_t[r] with top_k[r] (0: off),
 // top_p[r] (1: off) and min_p[r] (0: off), from the uniforms of (keys[r], positions[r]).
-// block_max (else null) holds rows of ceil(n / 256) block maxima from sl_linear: row r's are row
-// maxima_rows[r] of it, or none where that is -1 (logits changed since the head computed them).
+// block_max (else null) holds rows of ceil(n / 256) block maxima from sl_linear: row r's are its row
+// r, or with maxima_rows (else null) its row maxima_rows[r], none where that is -1 (logits changed
+// since the head computed them).
 void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, const float* inverse_t,
                const int64_t* top_k, const float* top_p, const float* min_p, const uint64_t* keys,
                const int64_t* positions, const float* block_max, const int64_t* maxima_rows, int64_t* tokens) {
@@ -250,8 +251,8 @@ void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, con
   for (int64_t r = 0; r < rows; ++r) {
     // Per thread and kept across calls: OpenMP's workers live as long as the process.
     static thread_local Workspace space;
-    const float* maxima =
-        block_max != nullptr && maxima_rows[r] >= 0 ? block_max + maxima_rows[r] * num_blocks : nullptr;
+    const int64_t maxima_row = maxima_rows != nullptr ? maxima_rows[r] : r;
+    const float* maxima = block_max != nullptr && maxima_row >= 0 ? block_max + maxima_row * num_blocks : nullptr;
     tokens[r] = sample_row(logits + r * stride, n, maxima, inverse_t[r], top_k[r], top_p[r], min_p[r], keys[r],
                            positions[r], space);
   }

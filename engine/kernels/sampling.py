@@ -22,21 +22,20 @@ def sample_on_cpu(
     logits: torch.Tensor,
     requests: Sequence[Request],
     positions: Sequence[int],
-    maxima: tuple[torch.Tensor, Sequence[int]] | None = None,
+    block_max: torch.Tensor | None = None,
+    maxima_rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """One token per row of float32 CPU `logits` [R, V], drawn for requests[i] at positions[i].
 
-    `maxima`, where given: block maxima from the output head's kernel [rows, ceil(V / 256)], and for
-    each row of `logits` its row there (-1 where none applies: logits changed since)."""
+    `block_max`, where given: block maxima from the output head's kernel [rows, ceil(V / 256)], row i
+    for row i of `logits` unless `maxima_rows` maps it elsewhere (-1: none applies, logits changed since)."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     params = [r.params for r in requests]
     tokens = torch.empty(rows, dtype=torch.long)
-    block_max, maxima_rows = None, None
-    if maxima is not None:
-        block_max = maxima[0].contiguous()
-        maxima_rows = (ctypes.c_int64 * rows)(*maxima[1])
+    if block_max is not None:
+        block_max = block_max.contiguous()
     library.sl_sample(
         logits.data_ptr(),
         rows,
@@ -49,7 +48,7 @@ def sample_on_cpu(
         (ctypes.c_uint64 * rows)(*(r.rng_key for r in requests)),
         (ctypes.c_int64 * rows)(*positions),
         None if block_max is None else block_max.data_ptr(),
-        maxima_rows,
+        None if maxima_rows is None else (ctypes.c_int64 * rows)(*maxima_rows),
         tokens.data_ptr(),
     )
     return tokens

@@ -105,9 +105,12 @@ class PagedCausalLM:
         num_tokens = input_ids.shape[0]
         weights = self._int4 if allow_int4 and num_tokens <= self.int4_max_tokens else self._packed
 
+        def replacement(linear: torch.nn.Linear) -> Int4Weight | PackedLinear | None:
+            return weights.get(linear) or self._packed.get(linear)
+
         def project(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-            replacement = weights.get(linear) or self._packed.get(linear)
-            return linear(x) if replacement is None else replacement(x)
+            replaced = replacement(linear)
+            return linear(x) if replaced is None else replaced(x)
 
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden[None], positions[None])
@@ -128,7 +131,7 @@ class PagedCausalLM:
             mlp = layer.mlp
             hidden = hidden + project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
         hidden = self.norm(hidden[logits_indices])
-        head = weights.get(self.lm_head) or self._packed.get(self.lm_head)
+        head = replacement(self.lm_head)
         if isinstance(head, PackedLinear):
             return HeadOutput(*head.with_block_max(hidden))
         return HeadOutput(project(self.lm_head, hidden).float())

@@ -126,15 +126,18 @@ class ModelRunner:
     def _kernel_metadata(self, segments: list[Segment], positions: torch.Tensor) -> KernelAttentionMetadata:
         """Each token reads its own request's keys 0 .. its position, through the block table."""
         lengths = [len(segment.token_ids) for segment in segments]
-        width = max(-(-(segment.start + length) // self.block_size) for segment, length in zip(segments, lengths))
-        tables = [(segment.request.block_table[:width] + [0] * width)[:width] for segment in segments]
         return KernelAttentionMetadata(
             library=self.model.kernels,
-            block_tables=self._tensor(tables),
+            block_tables=self._block_tables(segments),
             table_rows=torch.repeat_interleave(torch.arange(len(segments), device=self.device), self._tensor(lengths)),
             context_lens=positions + 1,
             block_size=self.block_size,
         )
+
+    def _block_tables(self, segments: list[Segment]) -> torch.Tensor:
+        """[S, W] block table of each segment's request, as far as its last token needs, padded with block 0."""
+        width = max(-(-(segment.start + len(segment.token_ids)) // self.block_size) for segment in segments)
+        return self._tensor([(segment.request.block_table[:width] + [0] * width)[:width] for segment in segments])
 
     def _torch_metadata(self, meta: AttentionMetadata, segments: list[Segment]) -> None:
         """Decodes batched with their contexts gathered and padded; a causal call per prefill chunk."""
@@ -149,10 +152,9 @@ class ModelRunner:
         decodes = [segment for segment in segments if len(segment.token_ids) == 1]
         meta.num_decode_tokens = len(decodes)
         if decodes and self.decode_kernel is not None:
-            width = max(-(-(segment.start + 1) // self.block_size) for segment in decodes)
             meta.paged_decode = PagedDecode(
                 kernel=self.decode_kernel,
-                block_tables=self._tensor([(s.request.block_table[:width] + [0] * width)[:width] for s in decodes]),
+                block_tables=self._block_tables(decodes),
                 context_lens=self._tensor([segment.start + 1 for segment in decodes]),
                 block_size=self.block_size,
             )

@@ -76,12 +76,14 @@ class Sampler:
         if mask is not None:
             processed = mask.apply(processed)
         if self.kernels is not None and processed.device.type == "cpu" and processed.dtype == torch.float32:
-            maxima = None
-            if block_max is not None:
+            maxima_rows = None
+            if block_max is not None and processed is not logits:
                 # Rows that penalties or a grammar changed no longer have the head's maxima.
                 changed = {i for i, r in enumerate(requests) if r.params.penalized} | set(mask.rows if mask else ())
-                maxima = (block_max, [-1 if i in changed else i for i in range(len(requests))])
-            token_ids = sample_on_cpu(self.kernels, processed, requests, [r.num_tokens for r in requests], maxima)
+                maxima_rows = [-1 if i in changed else i for i in range(len(requests))]
+            token_ids = sample_on_cpu(
+                self.kernels, processed, requests, [r.num_tokens for r in requests], block_max, maxima_rows
+            )
         else:
             token_ids = self._sample_with_torch(requests, processed)
         # The one device → host copy of the step's tokens.

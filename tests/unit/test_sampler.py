@@ -15,14 +15,28 @@ _sampler = Sampler()
 @pytest.fixture(autouse=True, params=["torch", "kernel"])
 def sampler_path(request):
     global _sampler
-    library = None
-    if request.param == "kernel":
-        library = load_library(CACHE_DIR)
-        if library is None:
-            pytest.skip("Sluice's CPU kernels cannot run here")
-    _sampler = Sampler(library)
+    _sampler = Sampler(_kernels() if request.param == "kernel" else None)
     yield request.param
     _sampler = Sampler()
+
+
+# Every sampling path at once, for the tests that compare two ways of drawing the same rows.
+MIXED = [
+    dict(temperature=0.0),
+    dict(temperature=0.7),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_k=40),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=1.3, top_p=0.5, top_k=100),
+]
+
+
+def _kernels():
+    """The CPU kernels' library; the test skips where they cannot run."""
+    library = load_library(CACHE_DIR)
+    if library is None:
+        pytest.skip("Sluice's CPU kernels cannot run here")
+    return library
 
 
 def request(output: tuple[int, ...] = (), **params) -> Request:
@@ -217,19 +231,9 @@ def test_masked_tokens_are_never_drawn():
 def test_the_kernel_and_torch_draw_the_same_tokens():
     """Both paths take the same uniforms the same way: over many rows of mixed settings their
     tokens agree, bar the rare row where float rounding of a sum moves a boundary."""
-    library = load_library(CACHE_DIR)
-    if library is None:
-        pytest.skip("Sluice's CPU kernels cannot run here")
+    library = _kernels()
     generator = torch.Generator().manual_seed(11)
-    settings = [
-        dict(temperature=0.0),
-        dict(temperature=0.7),
-        dict(temperature=0.7, top_p=0.9),
-        dict(temperature=1.0, top_k=40),
-        dict(temperature=1.0, min_p=0.1),
-        dict(temperature=1.3, top_p=0.5, top_k=100),
-    ]
-    requests = [request(seed=i, **settings[i % len(settings)]) for i in range(192)]
+    requests = [request(seed=i, **MIXED[i % len(MIXED)]) for i in range(192)]
     logits = torch.randn(192, 49152, generator=generator) * torch.rand(192, 1, generator=generator) * 4
     by_torch = Sampler().sample(requests, logits).token_ids
     by_kernel = Sampler(library).sample(requests, logits).token_ids
@@ -248,20 +252,11 @@ def _head_and_block_max(library, rows: int, vocab: int, generator: torch.Generat
 def test_the_heads_block_maxima_change_no_token():
     """Given the output head's block maxima the kernel skips its max pass and reads only the
     block holding a greedy row's max; the tokens are the ones it draws without them."""
-    library = load_library(CACHE_DIR)
-    if library is None:
-        pytest.skip("Sluice's CPU kernels cannot run here")
+    library = _kernels()
     generator = torch.Generator().manual_seed(5)
-    settings = [
-        dict(temperature=0.0),
-        dict(temperature=0.7),
-        dict(temperature=0.7, top_p=0.9),
-        dict(temperature=1.0, top_k=40),
-        dict(temperature=1.0, min_p=0.1),
-    ]
     for vocab in (1000, 49152):
         logits, block_max = _head_and_block_max(library, 60, vocab, generator)
-        requests = [request(seed=i, **settings[i % len(settings)]) for i in range(60)]
+        requests = [request(seed=i, **MIXED[i % len(MIXED)]) for i in range(60)]
         with_maxima = Sampler(library).sample(requests, logits, block_max=block_max).token_ids
         assert with_maxima == Sampler(library).sample(requests, logits).token_ids
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -271,9 +266,7 @@ def test_the_heads_block_maxima_change_no_token():
 def test_rows_that_penalties_or_a_grammar_changed_ignore_the_heads_block_maxima():
     from engine.sampling.grammar import RowMask
 
-    library = load_library(CACHE_DIR)
-    if library is None:
-        pytest.skip("Sluice's CPU kernels cannot run here")
+    library = _kernels()
     logits, block_max = _head_and_block_max(library, 2, 1000, torch.Generator().manual_seed(6))
     best = logits.argmax(dim=-1).tolist()
     # A bias makes another token the best; a grammar forbids the best and token 0 (which a row whose
