@@ -20,7 +20,8 @@ width throughout and prefill is left out (its cost shows as TTFT p50, reported a
   time per part of the step (schedule, forward, sample, output, bridge) is reported too.
 - `http`: a Sluice server with the same flags, driven by a minimal asyncio client that
   counts SSE chunks (and reads the token count from the usage chunk); with the CPU time its event loop
-  spent per content chunk (from /proc, over the whole round: start-up and finish included).
+  spent per content chunk (from /proc, over the whole round: start-up and finish included), and
+  the longest any stream waited between two of its chunks (a stall of the whole process shows there).
 """
 
 from __future__ import annotations
@@ -246,9 +247,12 @@ async def http_level(base: str, server_pid: int | None, concurrency: int, args) 
     ttfts = sorted(a[0][0] - sent for (sent, a, _) in results if a)
     cpu_after = loop_cpu_seconds(server_pid)
     chunks = sum(n for _, arrivals, _ in results for _, n in arrivals)
+    # The longest wait of any stream for its next chunk: where the server stalled every stream at once.
+    gaps = [b[0] - a[0] for _, arrivals, _ in results for a, b in zip(arrivals, arrivals[1:])]
     report = {
         "http_tokens_per_s": round(steady_rate(scaled), 1),
         "http_ttft_p50_s": serve.rounded(serve.percentile(ttfts, 0.5)),
+        "http_longest_gap_s": serve.rounded(max(gaps, default=0.0)),
     }
     if cpu_before is not None and cpu_after is not None and chunks:
         report["loop_cpu_us_per_chunk"] = round(1e6 * (cpu_after - cpu_before) / chunks, 1)
@@ -355,15 +359,15 @@ def main() -> None:
     print(f"\n`python {' '.join(sys.argv)}`\n")
     print(
         "| streams | raw tok/s | engine tok/s | engine / raw | HTTP tok/s | HTTP / engine | engine TTFT p50 "
-        "| loop CPU µs per chunk |"
+        "| loop CPU µs per chunk | longest chunk gap |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for concurrency, r in results.items():
         raw, engine, http = r["raw_tokens_per_s"], r["engine_tokens_per_s"], r.get("http_tokens_per_s")
         http_cells = f"{http} | {http / engine:.2f}" if http else "- | -"
         print(
             f"| {concurrency} | {raw} | {engine} | {engine / raw:.2f} | {http_cells} | {r['engine_ttft_p50_s']} s "
-            f"| {r.get('loop_cpu_us_per_chunk', '-')} |"
+            f"| {r.get('loop_cpu_us_per_chunk', '-')} | {r.get('http_longest_gap_s', '-')} s |"
         )
     print("\n| streams | step ms | " + " | ".join(StepProfile.PARTS) + " | other |")
     print("|---|---|" + "---|" * (len(StepProfile.PARTS) + 1))

@@ -1,8 +1,10 @@
 import asyncio
+import gc
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from app.server import _start_engine_thread
 from app.settings import Settings
 from app.state import build_state
 from engine.request import SamplingParams
@@ -56,3 +58,16 @@ def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path, default_to
     default_tokenizer.save_pretrained(other)
     with pytest.raises(ValueError, match="tokenizer"):
         build_state(settings(folder, tmp_path, speculative="draft", draft_model=str(other)))
+
+
+async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder, tmp_path):
+    state = await _start_engine_thread(settings(folder, tmp_path))
+    try:
+        assert gc.get_freeze_count() > 0
+        # Full collections walk only what was made since: not the engine, its model or the tokenizer.
+        tracked = {id(obj) for obj in gc.get_objects()}
+        assert id(state.engine) not in tracked
+        assert id(state.engine.runner.model) not in tracked
+    finally:
+        state.engine.shutdown()
+        gc.unfreeze()
