@@ -40,7 +40,7 @@ from app.state import ServerState, build_state  # noqa: E402
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from engine.model.host_memory import freeze_startup_objects, keep_freed_memory  # noqa: E402
+from engine.model.host_memory import keep_freed_memory, tune_collector  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402
 from engine.request import Request, SamplingParams  # noqa: E402
 
@@ -129,7 +129,7 @@ def start_engine_thread(settings: Settings, first: Callable[[ServerState], T]) -
     def torch_thread() -> None:
         try:
             state = build_state(settings)
-            freeze_startup_objects()
+            tune_collector()
             ready["first"] = first(state)
             ready["state"] = state
         except BaseException as exc:  # noqa: BLE001 - reported by the calling thread

@@ -21,7 +21,8 @@ width throughout and prefill is left out (its cost shows as TTFT p50, reported a
 - `http`: a Sluice server with the same flags, driven by a minimal asyncio client that
   counts SSE chunks (and reads the token count from the usage chunk); with the CPU time its event loop
   spent per content chunk (from /proc, over the whole round: start-up and finish included), and
-  the longest any stream waited between two of its chunks (a stall of the whole process shows there).
+  the longest any stream waited between two of its chunks in that steady window (a stall of the
+  whole process shows there).
 """
 
 from __future__ import annotations
@@ -247,8 +248,12 @@ async def http_level(base: str, server_pid: int | None, concurrency: int, args) 
     ttfts = sorted(a[0][0] - sent for (sent, a, _) in results if a)
     cpu_after = loop_cpu_seconds(server_pid)
     chunks = sum(n for _, arrivals, _ in results for _, n in arrivals)
-    # The longest wait of any stream for its next chunk: where the server stalled every stream at once.
-    gaps = [b[0] - a[0] for _, arrivals, _ in results for a, b in zip(arrivals, arrivals[1:])]
+    # The longest wait of any stream for its next chunk in the steady window (prefill steps left out):
+    # where the server stalled every stream at once.
+    start, end = max(a[0][0] for _, a, _ in results if a), min(a[-1][0] for _, a, _ in results if a)
+    gaps = [
+        b[0] - a[0] for _, arrivals, _ in results for a, b in zip(arrivals, arrivals[1:]) if start <= a[0] < b[0] <= end
+    ]
     report = {
         "http_tokens_per_s": round(steady_rate(scaled), 1),
         "http_ttft_p50_s": serve.rounded(serve.percentile(ttfts, 0.5)),

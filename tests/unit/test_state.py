@@ -7,6 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from app.server import _start_engine_thread
 from app.settings import Settings
 from app.state import build_state
+from engine.model.host_memory import COLLECTOR_THRESHOLDS
 from engine.request import SamplingParams
 from tests.unit.helpers import collect, tiny_hf_model, tokens_of
 
@@ -61,9 +62,11 @@ def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path, default_to
 
 
 async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder, tmp_path):
+    thresholds = gc.get_threshold()
     state = await _start_engine_thread(settings(folder, tmp_path))
     try:
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == COLLECTOR_THRESHOLDS
         # Full collections walk only what was made since: not the engine, its model or the tokenizer.
         tracked = {id(obj) for obj in gc.get_objects()}
         assert id(state.engine) not in tracked
@@ -71,3 +74,4 @@ async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder,
     finally:
         state.engine.shutdown()
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
