@@ -26,7 +26,7 @@
 
 namespace {
 
-using sluice::exp256;
+using sluice::exp256_in_range;
 using sluice::hsum;
 using sluice::row_max;
 
@@ -79,16 +79,28 @@ __m256i tail_mask(int64_t left) {
 double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, float* blocks) {
   const __m256 top = _mm256_set1_ps(m), scale = _mm256_set1_ps(inverse_t);
   const __m256 lowest = _mm256_set1_ps(-87.33654f);
+  // The max is subtracted before the temperature multiplies, so the best token's weight is exactly 1.
+  // Every a is <= 0 (or NaN), and the lanes below exp's range are zeroed, so exp needs no clamp.
+  auto weight = [&](__m256 v) {
+    const __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, top), scale);
+    return _mm256_and_ps(exp256_in_range(a), _mm256_cmp_ps(a, lowest, _CMP_GE_OQ));
+  };
   double total = 0.0;
   for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
     const int64_t end = std::min(start + kBlock, n);
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = start; i < end; i += 8) {
-      const __m256 v = end - i >= 8 ? _mm256_loadu_ps(x + i) : _mm256_maskload_ps(x + i, tail_mask(end - i));
-      // The max is subtracted before the temperature multiplies, so the best token's weight is exactly 1.
-      const __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, top), scale);
-      __m256 e = _mm256_and_ps(exp256(a), _mm256_cmp_ps(a, lowest, _CMP_GE_OQ));
-      if (end - i < 8) e = _mm256_and_ps(e, _mm256_castsi256_ps(tail_mask(end - i)));
+    int64_t i = start;
+    // Two vectors per round give the out-of-order core two exp chains at once; the sum still adds
+    // one vector at a time, in order.
+    for (; i + 16 <= end; i += 16) {
+      const __m256 e0 = weight(_mm256_loadu_ps(x + i)), e1 = weight(_mm256_loadu_ps(x + i + 8));
+      _mm256_storeu_ps(w + i, e0);
+      _mm256_storeu_ps(w + i + 8, e1);
+      acc = _mm256_add_ps(_mm256_add_ps(acc, e0), e1);
+    }
+    for (; i < end; i += 8) {
+      const __m256i lanes = tail_mask(end - i);
+      const __m256 e = _mm256_and_ps(weight(_mm256_maskload_ps(x + i, lanes)), _mm256_castsi256_ps(lanes));
       _mm256_storeu_ps(w + i, e);
       acc = _mm256_add_ps(acc, e);
     }

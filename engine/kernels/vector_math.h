@@ -9,10 +9,9 @@
 
 namespace sluice {
 
-// exp for a vector, Cephes' single-precision polynomial (about 1 ulp); inputs below -87.3 give
-// 2^-126, not 0.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
+// exp for a vector, Cephes' single-precision polynomial (about 1 ulp), for inputs in
+// [-87.3, 88.7]: outside it the result is garbage, so callers clamp or mask.
+inline __m256 exp256_in_range(__m256 x) {
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -26,6 +25,11 @@ inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// exp for any vector; inputs below -87.3 give 2^-126, not 0.
+inline __m256 exp256(__m256 x) {
+  return exp256_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f)));
 }
 
 inline float hmax(__m256 v) {
