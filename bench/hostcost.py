@@ -249,7 +249,8 @@ async def http_level(base: str, server_pid: int | None, concurrency: int, args) 
     cpu_after = loop_cpu_seconds(server_pid)
     chunks = sum(n for _, arrivals, _ in results for _, n in arrivals)
     # The longest wait of any stream for its next chunk in the steady window (prefill steps left out):
-    # where the server stalled every stream at once.
+    # where the server stalled every stream at once. This process's collector is tuned as the server's
+    # is (start_engine_thread), or the client's own full collections (0.3 s here) would show as gaps.
     start, end = max(a[0][0] for _, a, _ in results if a), min(a[-1][0] for _, a, _ in results if a)
     gaps = [
         b[0] - a[0] for _, arrivals, _ in results for a, b in zip(arrivals, arrivals[1:]) if start <= a[0] < b[0] <= end
