@@ -88,10 +88,14 @@ def tiny_model_folder(cache_dir: Path) -> Path:
     return folder
 
 
+def steady_window(arrivals: list[list[tuple[float, int]]]) -> tuple[float, float]:
+    """From the moment every request is past its first token until the first one finishes."""
+    return max(a[0][0] for a in arrivals), min(a[-1][0] for a in arrivals)
+
+
 def steady_rate(arrivals: list[list[tuple[float, int]]]) -> float:
     """Tokens/s while every request is past its first token and none has finished."""
-    start = max(a[0][0] for a in arrivals)
-    end = min(a[-1][0] for a in arrivals)
+    start, end = steady_window(arrivals)
     if end <= start:
         return 0.0
     tokens = sum(n for a in arrivals for t, n in a if start < t <= end)
@@ -251,7 +255,7 @@ async def http_level(base: str, server_pid: int | None, concurrency: int, args) 
     # The longest wait of any stream for its next chunk in the steady window (prefill steps left out):
     # where the server stalled every stream at once. This process's collector is tuned as the server's
     # is (start_engine_thread), or the client's own full collections (0.3 s here) would show as gaps.
-    start, end = max(a[0][0] for _, a, _ in results if a), min(a[-1][0] for _, a, _ in results if a)
+    start, end = steady_window([arrivals for _, arrivals, _ in results if arrivals])
     gaps = [
         b[0] - a[0] for _, arrivals, _ in results for a, b in zip(arrivals, arrivals[1:]) if start <= a[0] < b[0] <= end
     ]

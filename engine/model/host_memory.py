@@ -67,10 +67,9 @@ def keep_freed_memory() -> bool:
     return done
 
 
-def tune_collector() -> int:
+def tune_collector() -> None:
     """Collect start-up's garbage, exempt every object left from the collector's passes and space
-    the passes out; call once the model and tokenizer are loaded. Returns how many were frozen."""
+    the passes out; call once the model and tokenizer are loaded."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*COLLECTOR_THRESHOLDS)
-    return gc.get_freeze_count()

@@ -3,6 +3,8 @@ import math
 import pytest
 import torch
 
+# Every sampling path at once, for the tests that compare two ways of drawing the same rows.
+from bench.sampler import SETTINGS
 from engine.kernels.native import load_library
 from engine.request import Request, SamplingParams
 from engine.sampling.sampler import BLOCK, Sampler
@@ -18,17 +20,6 @@ def sampler_path(request):
     _sampler = Sampler(_kernels() if request.param == "kernel" else None)
     yield request.param
     _sampler = Sampler()
-
-
-# Every sampling path at once, for the tests that compare two ways of drawing the same rows.
-MIXED = [
-    dict(temperature=0.0),
-    dict(temperature=0.7),
-    dict(temperature=0.7, top_p=0.9),
-    dict(temperature=1.0, top_k=40),
-    dict(temperature=1.0, min_p=0.1),
-    dict(temperature=1.3, top_p=0.5, top_k=100),
-]
 
 
 def _kernels():
@@ -233,7 +224,7 @@ def test_the_kernel_and_torch_draw_the_same_tokens():
     tokens agree, bar the rare row where float rounding of a sum moves a boundary."""
     library = _kernels()
     generator = torch.Generator().manual_seed(11)
-    requests = [request(seed=i, **MIXED[i % len(MIXED)]) for i in range(192)]
+    requests = [request(seed=i, **SETTINGS[i % len(SETTINGS)]) for i in range(192)]
     logits = torch.randn(192, 49152, generator=generator) * torch.rand(192, 1, generator=generator) * 4
     by_torch = Sampler().sample(requests, logits).token_ids
     by_kernel = Sampler(library).sample(requests, logits).token_ids
@@ -256,7 +247,7 @@ def test_the_heads_block_maxima_change_no_token():
     generator = torch.Generator().manual_seed(5)
     for vocab in (1000, 49152):
         logits, block_max = _head_and_block_max(library, 60, vocab, generator)
-        requests = [request(seed=i, **MIXED[i % len(MIXED)]) for i in range(60)]
+        requests = [request(seed=i, **SETTINGS[i % len(SETTINGS)]) for i in range(60)]
         with_maxima = Sampler(library).sample(requests, logits, block_max=block_max).token_ids
         assert with_maxima == Sampler(library).sample(requests, logits).token_ids
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
