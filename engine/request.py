@@ -134,6 +134,8 @@ class Request:
     was_paused: bool = False
     # Where this choice stands in params.grammar; None for free text.
     constraint: Constraint | None = None
+    # params packed for the CPU sampler kernel (engine/kernels/sampling.py), made at the first sampled step.
+    kernel_settings: bytes = field(init=False, default=b"")
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

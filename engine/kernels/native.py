@@ -72,6 +72,6 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     library.sl_pack_weight.restype = None
     library.sl_paged_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P]
     library.sl_paged_attention.restype = None
-    library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+    library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P]
     library.sl_sample.restype = None
     return library

@@ -26,7 +26,7 @@
 
 namespace {
 
-using sluice::exp256_in_range;
+using sluice::exp2_256_nonpositive;
 using sluice::hsum;
 using sluice::row_max;
 
@@ -74,30 +74,33 @@ __m256i tail_mask(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), lanes);
 }
 
-// w = exp((x - m) * inverse_t), zero below exp's range and past n (w holds n rounded up to 8);
-// returns the row's mass and leaves each block's float sum in `blocks`.
+// w = exp((x - m) * inverse_t), as 2^((x - m) * inverse_t * log2(e)), zero below 2^-125 and past n
+// (w holds n rounded up to 8); returns the row's mass and leaves each block's float sum in `blocks`.
 double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, float* blocks) {
-  const __m256 top = _mm256_set1_ps(m), scale = _mm256_set1_ps(inverse_t);
-  const __m256 lowest = _mm256_set1_ps(-87.33654f);
+  const __m256 top = _mm256_set1_ps(m);
+  const __m256 scale = _mm256_set1_ps(static_cast<float>(static_cast<double>(inverse_t) * 1.4426950408889634));
+  const __m256 lowest = _mm256_set1_ps(-125.0f);
   // The max is subtracted before the temperature multiplies, so the best token's weight is exactly 1.
-  // Every a is <= 0 (or NaN), and the lanes below exp's range are zeroed, so exp needs no clamp.
+  // Every t is <= 0 (or NaN), and the lanes below 2^-125 are zeroed, so 2^t needs no clamp.
   auto weight = [&](__m256 v) {
-    const __m256 a = _mm256_mul_ps(_mm256_sub_ps(v, top), scale);
-    return _mm256_and_ps(exp256_in_range(a), _mm256_cmp_ps(a, lowest, _CMP_GE_OQ));
+    const __m256 t = _mm256_mul_ps(_mm256_sub_ps(v, top), scale);
+    return _mm256_and_ps(exp2_256_nonpositive(t), _mm256_cmp_ps(t, lowest, _CMP_GE_OQ));
   };
   double total = 0.0;
   for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
     const int64_t end = std::min(start + kBlock, n);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t i = start;
-    // Two vectors per round give the out-of-order core two exp chains at once; the sum still adds
-    // one vector at a time, in order.
+    // Two vectors per round, summed apart (even and odd vectors, joined at the block's end): the
+    // out-of-order core gets two exp chains at once and no add waits on the one before it.
     for (; i + 16 <= end; i += 16) {
       const __m256 e0 = weight(_mm256_loadu_ps(x + i)), e1 = weight(_mm256_loadu_ps(x + i + 8));
       _mm256_storeu_ps(w + i, e0);
       _mm256_storeu_ps(w + i + 8, e1);
-      acc = _mm256_add_ps(_mm256_add_ps(acc, e0), e1);
+      acc = _mm256_add_ps(acc, e0);
+      odd = _mm256_add_ps(odd, e1);
     }
+    acc = _mm256_add_ps(acc, odd);
     for (; i < end; i += 8) {
       const __m256i lanes = tail_mask(end - i);
       const __m256 e = _mm256_and_ps(weight(_mm256_maskload_ps(x + i, lanes)), _mm256_castsi256_ps(lanes));
@@ -116,11 +119,19 @@ double block_sums(const float* w, int64_t n, float lo, float* blocks) {
   double total = 0.0;
   for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
     const int64_t end = std::min(start + kBlock, n);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = start; i < end; i += 8) {
+    auto kept = [&](int64_t i) {
       const __m256 v = _mm256_loadu_ps(w + i);
-      acc = _mm256_add_ps(acc, _mm256_and_ps(v, _mm256_cmp_ps(v, floor, _CMP_GE_OQ)));
+      return _mm256_and_ps(v, _mm256_cmp_ps(v, floor, _CMP_GE_OQ));
+    };
+    // In exp_pass's order, so the same weights give the same sums.
+    __m256 acc = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int64_t i = start;
+    for (; i + 16 <= end; i += 16) {
+      acc = _mm256_add_ps(acc, kept(i));
+      odd = _mm256_add_ps(odd, kept(i + 8));
     }
+    acc = _mm256_add_ps(acc, odd);
+    for (; i < end; i += 8) acc = _mm256_add_ps(acc, kept(i));
     blocks[b] = hsum(acc);
     total += blocks[b];
   }
@@ -246,17 +257,26 @@ int64_t sample_row(const float* x, int64_t n, const float* maxima, float inverse
 
 }  // namespace
 
+// One row's sampling parameters, as engine/kernels/sampling.py packs them.
+struct RowSettings {
+  float inverse_t;  // 0: greedy
+  float top_p;      // 1: off
+  float min_p;      // 0: off
+  int64_t top_k;    // 0: off
+};
+static_assert(sizeof(RowSettings) == 24, "RowSettings must match sampling.py's layout");
+
 extern "C" {
 
 // tokens[r] for each row r of logits [rows, n] (row stride `stride`): argmax where
-// inverse_t[r] is 0, otherwise a draw at temperature 1 / inverse_t[r] with top_k[r] (0: off),
-// top_p[r] (1: off) and min_p[r] (0: off), from the uniforms of (keys[r], positions[r]).
+// settings[r].inverse_t is 0, otherwise a draw at temperature 1 / inverse_t with its top_k, top_p and
+// min_p, from the uniforms of (keys[r], positions[r]).
 // block_max (else null) holds rows of ceil(n / 256) block maxima from sl_linear: row r's are its row
 // r, or with maxima_rows (else null) its row maxima_rows[r], none where that is -1 (logits changed
 // since the head computed them).
-void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, const float* inverse_t,
-               const int64_t* top_k, const float* top_p, const float* min_p, const uint64_t* keys,
-               const int64_t* positions, const float* block_max, const int64_t* maxima_rows, int64_t* tokens) {
+void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, const RowSettings* settings,
+               const uint64_t* keys, const int64_t* positions, const float* block_max, const int64_t* maxima_rows,
+               int64_t* tokens) {
   const int64_t num_blocks = (n + kBlock - 1) / kBlock;
   // Rows differ in cost (greedy, rejection rounds): hand them out one at a time.
 #pragma omp parallel for schedule(dynamic, 1) if (rows > 1)
@@ -265,7 +285,8 @@ void sl_sample(const float* logits, int64_t rows, int64_t n, int64_t stride, con
     static thread_local Workspace space;
     const int64_t maxima_row = maxima_rows != nullptr ? maxima_rows[r] : r;
     const float* maxima = block_max != nullptr && maxima_row >= 0 ? block_max + maxima_row * num_blocks : nullptr;
-    tokens[r] = sample_row(logits + r * stride, n, maxima, inverse_t[r], top_k[r], top_p[r], min_p[r], keys[r],
+    const RowSettings& row = settings[r];
+    tokens[r] = sample_row(logits + r * stride, n, maxima, row.inverse_t, row.top_k, row.top_p, row.min_p, keys[r],
                            positions[r], space);
   }
 }

@@ -10,11 +10,26 @@ except where float rounding of the sums differs.
 from __future__ import annotations
 
 import ctypes
+import struct
+from array import array
 from collections.abc import Sequence
 
 import torch
 
 from engine.request import Request
+
+# One row's settings as sl_sample reads them (struct RowSettings in sampling.cpp): 1 / temperature
+# (0 for greedy), top_p, min_p and top_k.
+_ROW = struct.Struct("=fffxxxxq")
+
+
+def row_settings(request: Request) -> bytes:
+    """The request's sampling parameters packed for the kernel, once per request (they never
+    change): packing them anew for every row of every step cost more than a greedy row's sampling."""
+    if not request.kernel_settings:
+        p = request.params
+        request.kernel_settings = _ROW.pack(0.0 if p.greedy else 1.0 / p.temperature, p.top_p, p.min_p, p.top_k)
+    return request.kernel_settings
 
 
 def sample_on_cpu(
@@ -32,23 +47,23 @@ def sample_on_cpu(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
-    params = [r.params for r in requests]
     tokens = torch.empty(rows, dtype=torch.long)
     if block_max is not None:
         block_max = block_max.contiguous()
+    settings = b"".join([row_settings(r) for r in requests])
+    keys = array("Q", [r.rng_key for r in requests])
+    positions = array("q", positions)
+    maxima_rows = array("q", maxima_rows) if maxima_rows is not None else None
     library.sl_sample(
         logits.data_ptr(),
         rows,
         vocab,
         logits.stride(0),
-        (ctypes.c_float * rows)(*(0.0 if p.greedy else 1.0 / p.temperature for p in params)),
-        (ctypes.c_int64 * rows)(*(p.top_k for p in params)),
-        (ctypes.c_float * rows)(*(p.top_p for p in params)),
-        (ctypes.c_float * rows)(*(p.min_p for p in params)),
-        (ctypes.c_uint64 * rows)(*(r.rng_key for r in requests)),
-        (ctypes.c_int64 * rows)(*positions),
+        settings,
+        keys.buffer_info()[0],
+        positions.buffer_info()[0],
         None if block_max is None else block_max.data_ptr(),
-        None if maxima_rows is None else (ctypes.c_int64 * rows)(*maxima_rows),
+        None if maxima_rows is None else maxima_rows.buffer_info()[0],
         tokens.data_ptr(),
     )
     return tokens

@@ -27,6 +27,28 @@ inline __m256 exp256_in_range(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// 2^t for t in [-125, 0], within 1 ulp: cheaper than exp256_in_range (seven multiplies or FMAs
+// against twelve, no round or convert instruction), for the sampler's pass over a row's weights.
+// t = 0 gives exactly 1. Outside that range the result is garbage, so callers mask.
+inline __m256 exp2_256_nonpositive(__m256 t) {
+  // Adding 1.5 x 2^23 rounds t to an integer n held in the sum's low mantissa bits.
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 shifted = _mm256_add_ps(t, magic);
+  const __m256 f = _mm256_sub_ps(t, _mm256_sub_ps(shifted, magic));
+  // 2^f for f in [-0.5, 0.5]: a degree-6 minimax fit of the relative error (2e-9) with 1 exact.
+  __m256 p = _mm256_set1_ps(1.5353361959569156e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398875016719103e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61843691766262e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503323674201965e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022647738456726e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471824645996e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // Times 2^n by adding n to the exponent field: the sum's bits shifted by 23 are n << 23 (mod
+  // 2^32), and p's exponent (-1 or 0) stays a normal one for n >= -125.
+  const __m256i scale = _mm256_slli_epi32(_mm256_castps_si256(shifted), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), scale));
+}
+
 // exp for any vector; inputs below -87.3 give 2^-126, not 0.
 inline __m256 exp256(__m256 x) {
   return exp256_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f)));
