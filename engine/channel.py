@@ -11,6 +11,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.request import FinishReason
 from engine.sampling.sampler import TokenLogprob
@@ -41,9 +42,12 @@ class Timings:
         return (self.completion_tokens - 1) * 1000.0 / self.decode_ms
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Output of one choice since its previous chunk."""
+class Chunk(NamedTuple):
+    """Output of one choice since its previous chunk.
+
+    Immutable like the other types that cross the thread boundary, but a NamedTuple rather than a
+    frozen dataclass: the engine makes one per stream per step, and a frozen dataclass's __init__
+    (a setattr per field) cost 2.7 µs a chunk against 0.7 here."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -57,16 +61,19 @@ class Chunk:
     def is_terminal(self) -> bool:
         return self.finish_reason is not None
 
-    def then(self, later: Chunk) -> Chunk:
-        """This chunk followed by `later` of the same choice, as one."""
+    @staticmethod
+    def joined(chunks: list[Chunk]) -> Chunk:
+        """Chunks of one choice, in order, as one (the last one's ending)."""
+        token_ids: list[int] = []
+        texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        for chunk in chunks:
+            token_ids += chunk.token_ids
+            texts.append(chunk.text)
+            logprobs += chunk.logprobs
+        last = chunks[-1]
         return Chunk(
-            token_ids=self.token_ids + later.token_ids,
-            text=self.text + later.text,
-            index=self.index,
-            logprobs=self.logprobs + later.logprobs,
-            finish_reason=later.finish_reason,
-            error=later.error,
-            timings=later.timings,
+            tuple(token_ids), "".join(texts), last.index, tuple(logprobs), last.finish_reason, last.error, last.timings
         )
 
 
@@ -141,11 +148,15 @@ class StreamChannel:
 
 
 def _coalesce(chunks: list[Chunk]) -> list[Chunk]:
-    """Chunks a reader fell behind on, merged into one chunk per choice in first-seen order."""
-    merged: dict[int, Chunk] = {}
+    """Chunks a reader fell behind on, merged into one chunk per choice in first-seen order: one new
+    chunk per choice, however many it merges (a lagging reader's loop has no time to spare)."""
+    by_choice: dict[int, list[Chunk]] = {}
     for chunk in chunks:
-        merged[chunk.index] = merged[chunk.index].then(chunk) if chunk.index in merged else chunk
-    return list(merged.values())
+        if chunk.index in by_choice:
+            by_choice[chunk.index].append(chunk)
+        else:
+            by_choice[chunk.index] = [chunk]
+    return [group[0] if len(group) == 1 else Chunk.joined(group) for group in by_choice.values()]
 
 
 class Outbox:
