@@ -51,6 +51,9 @@ from engine.sampling.sampler import TokenLogprob
 Kind = Literal["chat", "text"]
 
 DONE = "[DONE]"
+# A delta's text as JSON, as pydantic renders it; built once (json.dumps with a non-default option
+# builds a new encoder on every call, and this runs once per chunk of every stream).
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
 # Stands for a delta's text while a chunk template is rendered; never in an id or a model name.
 _TEXT_SLOT = "\u0001sluice-text\u0001"
 
@@ -251,7 +254,7 @@ class Generation:
         if not self.wants_logprobs:
             # The hot path, once per chunk of every stream: a pre-rendered chunk with the text spliced in.
             prefix, suffix = self._text_templates.get(chunk.index) or self._text_template(chunk.index)
-            return prefix + json.dumps(chunk.text, ensure_ascii=False) + suffix
+            return prefix + _json_text(chunk.text) + suffix
         if self.kind == "chat":
             return self._chat_chunk(chunk.index, ChatDelta(content=chunk.text), self._chat_logprobs(chunk.logprobs))
         logprobs, text_offsets[chunk.index] = self._completion_logprobs(chunk.logprobs, text_offsets[chunk.index])
