@@ -20,7 +20,8 @@ width throughout and prefill is left out (its cost shows as TTFT p50, reported a
   time per part of the step (schedule, forward, sample, output, bridge) is reported too.
 - `http`: a Sluice server with the same flags, driven by a minimal asyncio client that
   counts SSE chunks (and reads the token count from the usage chunk); with the CPU time its event loop
-  spent per content chunk (from /proc, over the whole round: start-up and finish included), and
+  spent per content chunk (from /proc, over the whole round: start-up and finish included), the
+  client's own CPU per chunk (it shares the machine's cores with the server), and
   the longest any stream waited between two of its chunks in that steady window (a stall of the
   whole process shows there).
 """
@@ -394,15 +395,16 @@ def main() -> None:
     print(f"\n`python {' '.join(sys.argv)}`\n")
     print(
         "| streams | raw tok/s | engine tok/s | engine / raw | HTTP tok/s | HTTP / engine | engine TTFT p50 "
-        "| loop CPU µs per chunk | longest chunk gap |"
+        "| loop CPU µs per chunk | client CPU µs per chunk | longest chunk gap |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for concurrency, r in results.items():
         raw, engine, http = r["raw_tokens_per_s"], r["engine_tokens_per_s"], r.get("http_tokens_per_s")
         http_cells = f"{http} | {http / engine:.2f}" if http else "- | -"
         print(
             f"| {concurrency} | {raw} | {engine} | {engine / raw:.2f} | {http_cells} | {r['engine_ttft_p50_s']} s "
-            f"| {r.get('loop_cpu_us_per_chunk', '-')} | {r.get('http_longest_gap_s', '-')} s |"
+            f"| {r.get('loop_cpu_us_per_chunk', '-')} | {r.get('client_cpu_us_per_chunk', '-')} "
+            f"| {r.get('http_longest_gap_s', '-')} s |"
         )
     print("\n| streams | step ms | " + " | ".join(StepProfile.PARTS) + " | other |")
     print("|---|---|" + "---|" * (len(StepProfile.PARTS) + 1))
