@@ -9,9 +9,10 @@
 
 namespace sluice {
 
-// exp for a vector, Cephes' single-precision polynomial (about 1 ulp), for inputs in
-// [-87.3, 88.7]: outside it the result is garbage, so callers clamp or mask.
-inline __m256 exp256_in_range(__m256 x) {
+// exp for a vector, Cephes' single-precision polynomial (about 1 ulp); inputs below -87.3 give
+// 2^-126, not 0.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f));
   __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -27,8 +28,8 @@ inline __m256 exp256_in_range(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// 2^t for t in [-125, 0], within 1 ulp: cheaper than exp256_in_range (seven multiplies or FMAs
-// against twelve, no round or convert instruction), for the sampler's pass over a row's weights.
+// 2^t for t in [-125, 0], within 1 ulp: cheaper than exp256 (seven multiplies or FMAs against
+// twelve, no round or convert instruction), for the sampler's pass over a row's weights.
 // t = 0 gives exactly 1. Outside that range the result is garbage, so callers mask.
 inline __m256 exp2_256_nonpositive(__m256 t) {
   // Adding 1.5 x 2^23 rounds t to an integer n held in the sum's low mantissa bits.
@@ -47,11 +48,6 @@ inline __m256 exp2_256_nonpositive(__m256 t) {
   // 2^32), and p's exponent (-1 or 0) stays a normal one for n >= -125.
   const __m256i scale = _mm256_slli_epi32(_mm256_castps_si256(shifted), 23);
   return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), scale));
-}
-
-// exp for any vector; inputs below -87.3 give 2^-126, not 0.
-inline __m256 exp256(__m256 x) {
-  return exp256_in_range(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.72283f)));
 }
 
 inline float hmax(__m256 v) {
