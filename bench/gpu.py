@@ -75,34 +75,17 @@ SHAPES = {
 def shape_folder(name: str, cache_dir: Path) -> Path:
     """A random-weight bfloat16 Llama of shape `name` with the default model's tokenizer, saved once.
     Built on the GPU where there is one (an 8B model's random init takes minutes on a CPU)."""
-    folder = cache_dir / f"random-{name}"
-    if (folder / "config.json").exists():
-        return folder
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(serve.default_model().folder)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    on_gpu = torch.cuda.is_available()
+    folder = hostcost.random_llama_folder(
+        cache_dir / f"random-{name}",
+        cache_dir,
+        torch.bfloat16,
+        "cuda" if on_gpu else "cpu",
         max_position_embeddings=8192,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         **SHAPES[name],
     )
-    torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    staging = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(folder)
     # The in-process engine and the server load it next, on the same device: give its memory back.
-    del model
-    if torch.cuda.is_available():
+    if on_gpu:
         torch.cuda.empty_cache()
     return folder
 
@@ -110,20 +93,7 @@ def shape_folder(name: str, cache_dir: Path) -> Path:
 def start_transformers(command: str, folder: Path) -> tuple[subprocess.Popen, str]:
     """`transformers serve --continuous-batching` on `folder` in bfloat16, on the GPU where there is one."""
     port = serve.free_port()
-    argv = [
-        *shlex.split(command),
-        "serve",
-        "--continuous-batching",
-        "--dtype",
-        "bfloat16",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        str(folder),
-    ]
+    argv = peers.transformers_serve(shlex.split(command), folder, "bfloat16", port)
     proc = subprocess.Popen(argv, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     base = f"http://127.0.0.1:{port}"
     peers.wait_until_healthy(proc, base, "transformers serve")

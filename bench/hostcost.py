@@ -61,7 +61,24 @@ DEFAULT_CACHE = Path.home() / ".cache" / "sluice"
 
 def tiny_model_folder(cache_dir: Path) -> Path:
     """A random-weight Llama with the default model's tokenizer, saved once and reused."""
-    folder = cache_dir / "tiny-llama-hostcost"
+    return random_llama_folder(
+        cache_dir / "tiny-llama-hostcost",
+        cache_dir,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+
+
+def random_llama_folder(
+    folder: Path, cache_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", **shape
+) -> Path:
+    """A Llama config of `shape` with random weights (seed 0) in `dtype`, built on `device`, and the
+    default model's tokenizer and vocabulary; saved at `folder` once and reused."""
     if (folder / "config.json").exists():
         return folder
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -70,20 +87,18 @@ def tiny_model_folder(cache_dir: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_gguf(), cache_dir))
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape
     )
     torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     staging = folder.with_name(folder.name + ".partial")
-    LlamaForCausalLM(config).save_pretrained(staging)
+    model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     staging.rename(folder)
     return folder

@@ -99,23 +99,29 @@ def llama_server() -> Path:
     return binary
 
 
+def transformers_serve(transformers: list[str], folder: Path, dtype: str, port: int) -> list[str]:
+    """The command line of `transformers serve --continuous-batching` on `folder`, `transformers` being
+    the command that runs the `transformers` CLI."""
+    return [
+        *transformers,
+        "serve",
+        "--continuous-batching",
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        str(folder),
+    ]
+
+
 def command(peer: str, model: Model, port: int) -> list[str]:
     if peer == "transformers":
         # float32, as the issue's reference figures were taken (bf16 is not its CPU default).
-        return [
-            str(transformers_env()),
-            "serve",
-            "--continuous-batching",
-            "--dtype",
-            "float32",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            str(model.folder),
-        ]
+        return transformers_serve([str(transformers_env())], model.folder, "float32", port)
     if peer == "llama-server":
         # One slot per stream up to 64, each with the full 2048-token context the bench needs at most.
         return [
