@@ -37,8 +37,11 @@ def whole_text(base, **body) -> str:
 
 
 async def test_a_stalled_reader_is_paused_and_others_keep_their_pace(flow_server):
-    expected = whole_text(flow_server, max_tokens=200, ignore_eos=True)
-    body = completion(max_tokens=200, ignore_eos=True)
+    # The client's receive window is the one it advertised at connect (~64 KiB: httpx sets SO_RCVBUF only
+    # after connecting), so the stream must outgrow it for certain: top-5 logprobs make each token's
+    # event ~450 bytes, and 300 tokens are ~135 KB, where the pause comes after ~50 KB.
+    expected = whole_text(flow_server, max_tokens=300, ignore_eos=True)
+    body = completion(max_tokens=300, ignore_eos=True, logprobs=5)
     small_window = httpx.AsyncHTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)])
     async with httpx.AsyncClient(transport=small_window, timeout=180) as slow:
         async with slow.stream("POST", f"{flow_server}/v1/completions", json=body) as response:
