@@ -81,6 +81,11 @@ def test_request_ids_are_echoed_or_made_and_audited_without_content(door):
     assert mine.headers["x-request-id"] == "trace-42"
     made = httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=5), headers=AUTH)
     assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+    # A stream's events skip the front door's send (BODY_SEND); its start must still carry the id.
+    streamed_body, streamed_headers = chat(max_tokens=5, stream=True), {**AUTH, "X-Request-Id": "trace-43"}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=streamed_body, headers=streamed_headers) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-43"
+        assert parse_events(streamed.iter_lines())[-1].data == "[DONE]"
     lines = [json.loads(line) for line in audit.read_text().splitlines()]
     record = next(line for line in lines if line["request_id"] == "trace-42")
     assert record["completion_id"] == mine.json()["id"]
