@@ -47,16 +47,22 @@ class Settings(BaseSettings):
     """A request's tokens depend on the request alone (prompt, parameters, seed), not on what shares its batch, the
     prefix cache, chunking or speculation: float32 linear layers and attention on Sluice's own kernels (x86 CPUs
     with AVX2, built on first start with the system C++ compiler). --no-batch-invariant uses torch's kernels."""
-    max_num_seqs: int = Field(64, ge=1)
-    """Most requests decoding together in one step; more wait in the queue."""
-    max_num_batched_tokens: int = Field(256, ge=16)
-    """Token budget of one step; longer prompts are prefilled in chunks of at most this."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Most requests decoding together in one step; more wait in the queue. Default: 64 on a CPU, 256 on a GPU."""
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    """Token budget of one step; longer prompts are prefilled in chunks of at most this. Default: 256 on a
+    CPU, 2048 on a GPU."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + completion in tokens; defaults to the model's context length."""
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV-cache block."""
-    kv_cache_gib: float = Field(2.0, gt=0)
-    """Memory for the paged KV cache, in GiB."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """Memory for the paged KV cache, in GiB. Default: 2 on a CPU; on a GPU, what --gpu-memory-utilization
+    leaves once the weights are loaded and a step's activations are set aside."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """On a GPU, the fraction of its memory Sluice may fill in all (weights, activations, KV cache; memory
+    other processes hold counts against it), as vLLM's flag; it sizes the KV cache when --kv-cache-gib
+    is not given."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before (system prompts, resent conversation history);
     --no-enable-prefix-caching turns it off."""

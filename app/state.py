@@ -19,10 +19,11 @@ from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry
 from app.serving.tools import ToolUse
 from app.settings import Settings
-from engine.engine import Engine, EngineConfig, SpeculativeConfig, num_kv_blocks_for
+from engine.engine import Engine, EngineConfig, SpeculativeConfig
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError, GrammarSpec
+from engine.sizing import num_kv_blocks, plan
 
 logger = logging.getLogger(__name__)
 
@@ -155,26 +156,45 @@ def build_state(settings: Settings) -> ServerState:
     )
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
-    num_blocks = num_kv_blocks_for(settings.kv_cache_gib, loaded, settings.block_size, draft_model)
+    speculative = _speculative_config(settings)
+    sizing = plan(
+        loaded.model,
+        settings.max_num_seqs,
+        settings.max_num_batched_tokens,
+        settings.kv_cache_gib,
+        settings.gpu_memory_utilization,
+        rows_per_seq=1 + (speculative.num_tokens if speculative else 0),
+    )
+    num_blocks = num_kv_blocks(sizing.kv_cache_bytes, settings.block_size, loaded.model, draft_model)
     if num_blocks * settings.block_size < max_model_len:
         raise ValueError(
-            f"kv_cache_gib={settings.kv_cache_gib} holds {num_blocks * settings.block_size} tokens, "
-            f"fewer than max_model_len={max_model_len}; raise it or lower max_model_len"
+            f"the KV cache ({sizing.explanation}: {sizing.kv_cache_bytes / 2**30:.2f} GiB) holds "
+            f"{num_blocks * settings.block_size} tokens, fewer than max_model_len={max_model_len}; "
+            "give it more memory or lower max_model_len"
         )
     config = EngineConfig(
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=sizing.max_num_seqs,
+        max_num_batched_tokens=sizing.max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=settings.block_size,
         num_kv_blocks=num_blocks,
         max_unread_tokens=settings.max_unread_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
-        speculative=_speculative_config(settings),
+        speculative=speculative,
         jump_forward=settings.jump_forward,
         pinned_kv_seconds=settings.response_kv_ttl,
         max_pinned_kv_fraction=settings.max_pinned_kv_fraction,
     )
-    logger.info("KV cache: %d blocks of %d tokens; max_model_len %d", num_blocks, settings.block_size, max_model_len)
+    logger.info(
+        "KV cache: %d blocks of %d tokens in %.2f GiB (%s); max_model_len %d; up to %d streams and %d tokens a step",
+        num_blocks,
+        settings.block_size,
+        sizing.kv_cache_bytes / 2**30,
+        sizing.explanation,
+        max_model_len,
+        sizing.max_num_seqs,
+        sizing.max_num_batched_tokens,
+    )
     engine = Engine(loaded, config, draft_model)
     model_name = settings.served_model_name or loaded.name
     return ServerState(
@@ -185,14 +205,14 @@ def build_state(settings: Settings) -> ServerState:
         limits=ServingLimits(
             max_model_len=max_model_len,
             vocab_size=loaded.model.vocab_size,
-            max_num_seqs=settings.max_num_seqs,
+            max_num_seqs=sizing.max_num_seqs,
             stream_interval=settings.stream_interval,
             max_tokens_limit=settings.max_tokens_limit,
         ),
         streams=StreamRegistry(settings.resume_window_seconds),
         responses=ResponseStore(settings.response_retention, engine.unpin),
         api_keys=load_api_keys(settings),
-        admission=Admission(settings.max_queue, settings.max_num_seqs),
+        admission=Admission(settings.max_queue, sizing.max_num_seqs),
         metrics=Metrics(model_name, lambda: engine.stats),
         audit=AuditLog(settings.audit_log, settings.audit_log_content) if settings.audit_log else None,
     )

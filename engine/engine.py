@@ -13,7 +13,7 @@ from typing import Literal
 
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from engine.kv_cache import BlockManager, KVCache
+from engine.kv_cache import BlockManager
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
@@ -518,16 +518,3 @@ def _trim(proposal: Proposal, length: int) -> Proposal:
         return proposal
     probs = proposal.draft_probs[:length] if proposal.draft_probs is not None else None
     return Proposal(proposal.token_ids[:length], probs)
-
-
-def num_kv_blocks_for(
-    memory_gib: float, loaded: LoadedModel, block_size: int, draft_model: PagedCausalLM | None = None
-) -> int:
-    """How many blocks of `block_size` tokens fit in `memory_gib` for this model's K/V (and the
-    draft's, which has a block for each of the target's)."""
-    per_token = sum(
-        KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)
-        for m in (loaded.model, draft_model)
-        if m is not None
-    )
-    return max(1, int(memory_gib * 2**30) // (per_token * block_size))

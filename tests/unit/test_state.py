@@ -75,3 +75,16 @@ async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder,
         state.engine.shutdown()
         gc.unfreeze()
         gc.set_threshold(*thresholds)
+
+
+def test_a_plain_cpu_start_takes_the_cpu_defaults_and_a_small_cache_is_refused(folder, tmp_path):
+    state = build_state(Settings(model=str(folder), cache_dir=tmp_path / "cache", dtype="float32"))
+    config = state.engine.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 256)
+    assert state.limits.max_num_seqs == 64
+    # 2 GiB of the tiny model's K/V (2 layers, 2 KV heads of 16 dimensions, float32) in blocks of 16.
+    assert config.num_kv_blocks == 2 * 2**30 // (2 * 2 * 2 * 16 * 4 * 16)
+    with pytest.raises(ValueError, match="holds 16 tokens, fewer than max_model_len"):
+        build_state(
+            Settings(model=str(folder), cache_dir=tmp_path / "cache", dtype="float32", kv_cache_gib=8192 / 2**30)
+        )

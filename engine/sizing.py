@@ -1,0 +1,101 @@
+"""How many requests a step takes and how big the KV cache is, where the flags leave it open.
+
+On a CPU the defaults are fixed (64 streams, 256 tokens a step, 2 GiB of KV cache). On a GPU they
+are sized from the device, as vLLM does: up to 256 streams and 2048 tokens a step, and the KV cache
+takes what `--gpu-memory-utilization` of the GPU's memory leaves once everything already on it
+(this process's weights and CUDA context, and any other process's memory) and one step's
+activations are set aside. The activations are an estimate from the model's shape, not a profiled
+peak, with twice the tensors one step holds at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model.causal_lm import PagedCausalLM
+
+CPU_MAX_NUM_SEQS = 64
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_BATCHED_TOKENS = 256
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_KV_CACHE_GIB = 2.0
+# Bytes per token for the step's rows of logits: float32 logits, the sampler's weights and a copy.
+_LOGITS_COPIES = 3
+# Slack over the tensors a step holds at once: the allocator's rounding and fragmentation.
+_ACTIVATION_SLACK = 2
+
+
+@dataclass(frozen=True)
+class Sizing:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_bytes: int
+    # How kv_cache_bytes was arrived at, for the start-up log.
+    explanation: str
+
+
+def step_activation_bytes(model: PagedCausalLM, num_tokens: int, num_rows: int) -> int:
+    """A generous bound on one step's transient memory: for each of `num_tokens` tokens the hidden
+    states, q/k/v and the MLP's three intermediates of one layer (layers run one after another), and
+    `num_rows` rows of float32 logits with the sampler's copies."""
+    hidden = model.embed_tokens.embedding_dim
+    intermediate = model.layers[0].mlp.gate_proj.out_features
+    qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    per_token = (4 * hidden + qkv + 3 * intermediate) * torch.finfo(model.dtype).bits // 8
+    logits = num_rows * model.vocab_size * 4 * _LOGITS_COPIES
+    return _ACTIVATION_SLACK * (num_tokens * per_token + logits)
+
+
+def gpu_kv_cache_bytes(total: int, free: int, utilization: float, activations: int) -> tuple[int, str]:
+    """What the KV cache may take of a GPU with `total` bytes, `free` of them free now."""
+    in_use = total - free
+    budget = int(total * utilization) - in_use - activations
+    gib = 2**30
+    explanation = (
+        f"{utilization:g} x {total / gib:.1f} GiB - {in_use / gib:.2f} GiB in use"
+        f" - {activations / gib:.2f} GiB for a step's activations"
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache ({explanation} = {budget / gib:.2f} GiB); "
+            "raise --gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or set --kv-cache-gib"
+        )
+    return budget, explanation
+
+
+def plan(
+    model: PagedCausalLM,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    kv_cache_gib: float | None,
+    gpu_memory_utilization: float,
+    rows_per_seq: int = 1,
+    memory_info: Callable[[], tuple[int, int]] | None = None,
+) -> Sizing:
+    """The flags given, and the device's defaults for the others. `rows_per_seq`: logits rows a
+    request may sample in one step (1, or 1 + proposals where it speculates). `memory_info` returns
+    (free, total) bytes of the model's GPU; torch.cuda.mem_get_info by default."""
+    on_gpu = model.device.type == "cuda"
+    seqs = max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS)
+    tokens = max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
+    if kv_cache_gib is not None:
+        return Sizing(seqs, tokens, int(kv_cache_gib * 2**30), f"--kv-cache-gib {kv_cache_gib:g}")
+    if not on_gpu:
+        return Sizing(seqs, tokens, int(CPU_KV_CACHE_GIB * 2**30), "the CPU default")
+    free, total = (memory_info or (lambda: torch.cuda.mem_get_info(model.device)))()
+    activations = step_activation_bytes(model, tokens, max(tokens, seqs * rows_per_seq))
+    budget, explanation = gpu_kv_cache_bytes(total, free, gpu_memory_utilization, activations)
+    return Sizing(seqs, tokens, budget, explanation)
+
+
+def num_kv_blocks(kv_cache_bytes: int, block_size: int, *models: PagedCausalLM | None) -> int:
+    """How many blocks of `block_size` tokens fit in `kv_cache_bytes` for these models' K/V (the
+    target and its draft, which has a block for each of the target's)."""
+    per_token = sum(
+        KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) for m in models if m is not None
+    )
+    return max(1, kv_cache_bytes // (per_token * block_size))
