@@ -163,6 +163,7 @@ def build_state(settings: Settings) -> ServerState:
         settings.max_num_batched_tokens,
         settings.kv_cache_gib,
         settings.gpu_memory_utilization,
+        max_model_len,
         rows_per_seq=1 + (speculative.num_tokens if speculative else 0),
     )
     num_blocks = num_kv_blocks(sizing.kv_cache_bytes, settings.block_size, loaded.model, draft_model)

@@ -5,7 +5,8 @@ are sized from the device, as vLLM does: up to 256 streams and 2048 tokens a ste
 takes what `--gpu-memory-utilization` of the GPU's memory leaves once everything already on it
 (this process's weights and CUDA context, and any other process's memory) and one step's
 activations are set aside. The activations are an estimate from the model's shape, not a profiled
-peak, with twice the tensors one step holds at once.
+peak: twice the tensors one step can hold at once, a prefill chunk's attention scores over the
+longest context included.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ class Sizing:
     explanation: str
 
 
-def step_activation_bytes(model: PagedCausalLM, num_tokens: int, num_rows: int) -> int:
+def step_activation_bytes(model: PagedCausalLM, num_tokens: int, num_rows: int, max_model_len: int) -> int:
     """A generous bound on one step's transient memory: for each of `num_tokens` tokens the hidden
     states, q/k/v and the MLP's three intermediates of one layer (layers run one after another), and
-    `num_rows` rows of float32 logits with the sampler's copies."""
+    float32 attention scores of every head over `max_model_len` keys (a prefill chunk at the end of
+    the longest context, on the torch path); plus `num_rows` rows of float32 logits with the
+    sampler's copies."""
     hidden = model.embed_tokens.embedding_dim
     intermediate = model.layers[0].mlp.gate_proj.out_features
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     per_token = (4 * hidden + qkv + 3 * intermediate) * torch.finfo(model.dtype).bits // 8
+    per_token += model.num_heads * max_model_len * 4
     logits = num_rows * model.vocab_size * 4 * _LOGITS_COPIES
     return _ACTIVATION_SLACK * (num_tokens * per_token + logits)
 
@@ -73,6 +77,7 @@ def plan(
     max_num_batched_tokens: int | None,
     kv_cache_gib: float | None,
     gpu_memory_utilization: float,
+    max_model_len: int,
     rows_per_seq: int = 1,
     memory_info: Callable[[], tuple[int, int]] | None = None,
 ) -> Sizing:
@@ -87,7 +92,8 @@ def plan(
     if not on_gpu:
         return Sizing(seqs, tokens, int(CPU_KV_CACHE_GIB * 2**30), "the CPU default")
     free, total = (memory_info or (lambda: torch.cuda.mem_get_info(model.device)))()
-    activations = step_activation_bytes(model, tokens, max(tokens, seqs * rows_per_seq))
+    # A logits row belongs to a token computed in the step: never more rows than tokens.
+    activations = step_activation_bytes(model, tokens, min(tokens, seqs * rows_per_seq), max_model_len)
     budget, explanation = gpu_kv_cache_bytes(total, free, gpu_memory_utilization, activations)
     return Sizing(seqs, tokens, budget, explanation)
 
