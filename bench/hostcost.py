@@ -17,7 +17,7 @@ width throughout and prefill is left out (its cost shows as TTFT p50, reported a
 
 - `raw`: the paged forward plus a greedy argmax over the whole batch; no scheduler, no streams.
 - `engine`: the Engine in process, requests submitted straight into it; the engine thread's
-  time per part of the step (schedule, forward, sample, output, bridge) is reported too.
+  time per part of the step (schedule, inputs, model, sample, output, bridge) is reported too.
 - `http`: a Sluice server with the same flags, driven by a minimal asyncio client that
   counts SSE chunks (and reads the token count from the usage chunk); with the CPU time its event loop
   spent per content chunk (from /proc, over the whole round: start-up and finish included), the
@@ -119,23 +119,32 @@ def steady_rate(arrivals: list[list[tuple[float, int]]]) -> float:
 
 
 class StepProfile:
-    """Wall time the engine thread spends in each part of a step, by wrapping the methods."""
+    """Wall time the engine thread spends in each part of a step, by wrapping the methods.
 
-    PARTS = {
-        "schedule": ("scheduler", "schedule"),
-        "forward": ("runner", "execute"),
-        "sample": (None, "_sample"),
-        "output": ("output", "emit"),
-        "bridge": ("output", "flush"),
+    `inputs` is the runner's own work (the step's token ids, positions, slots and block tables) and
+    `model` the model's forward: together what the runner's `execute` takes."""
+
+    # Reported part -> the engine's method that times it ("execute" is reported as inputs + model).
+    WRAPPED = {
+        "schedule": "scheduler.schedule",
+        "execute": "runner.execute",
+        "model": "runner.model.forward",
+        "sample": "_sample",
+        "output": "output.emit",
+        "bridge": "output.flush",
     }
+    PARTS = ("schedule", "inputs", "model", "sample", "output", "bridge")
 
     def __init__(self, engine) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         # Steps of the level being measured, set by its runner.
         self.steps = 0
         self._wrap(engine, "step", "step")
-        for part, (owner, name) in self.PARTS.items():
-            target = engine if owner is None else getattr(engine, owner)
+        for part, path in self.WRAPPED.items():
+            *owners, name = path.split(".")
+            target = engine
+            for owner in owners:
+                target = getattr(target, owner)
             if hasattr(target, name):
                 self._wrap(target, name, part)
 
@@ -159,7 +168,9 @@ class StepProfile:
         step = self.seconds.get("step", 0.0) + self.seconds.get("bridge", 0.0)
         if not step:
             return {}
-        shares = {part: round(self.seconds.get(part, 0.0) / step, 3) for part in self.PARTS}
+        seconds = dict(self.seconds)
+        seconds["inputs"] = seconds.get("execute", 0.0) - seconds.get("model", 0.0)
+        shares = {part: round(seconds.get(part, 0.0) / step, 3) for part in self.PARTS}
         shares["other"] = round(1 - sum(shares.values()), 3)
         shares["step_ms"] = round(1000 * step / max(1, self.steps), 2)
         return shares
