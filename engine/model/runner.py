@@ -137,11 +137,18 @@ class ModelRunner:
 
     def _kernel_metadata(self, segments: list[Segment], positions: torch.Tensor) -> KernelAttentionMetadata:
         """Each token reads its own request's keys 0 .. its position, through the block table."""
-        lengths = [len(segment.token_ids) for segment in segments]
+        # Each token's row of the block tables, in Python: torch.repeat_interleave took 6% of a
+        # 64-stream step for this.
+        table_rows = array("q")
+        for row, segment in enumerate(segments):
+            if len(segment.token_ids) == 1:
+                table_rows.append(row)
+            else:
+                table_rows.extend([row] * len(segment.token_ids))
         return KernelAttentionMetadata(
             library=self.model.kernels,
             block_tables=self._block_tables(segments),
-            table_rows=torch.repeat_interleave(torch.arange(len(segments), device=self.device), self._tensor(lengths)),
+            table_rows=self._tensor(table_rows),
             context_lens=positions + 1,
             block_size=self.block_size,
         )
