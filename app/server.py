@@ -8,6 +8,7 @@ import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from app.errors import ERROR_RESPONSES, install_error_handlers, install_openapi
 from app.operations.front_door import FrontDoor
@@ -39,6 +40,24 @@ async def _start_engine_thread(settings: Settings) -> ServerState:
     return await built
 
 
+class _SluiceApp(FastAPI):
+    """FastAPI with the front door outermost, outside Starlette's ServerErrorMiddleware (which
+    `add_middleware` cannot place anything outside): the 500 of an unexpected error then carries the
+    request id, in its header and its log line, and a stream's events go straight to the server's
+    `send` (front_door.BODY_SEND)."""
+
+    def __init__(self, max_request_bytes: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.max_request_bytes = max_request_bytes
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return FrontDoor(
+            super().build_middleware_stack(),
+            max_request_bytes=self.max_request_bytes,
+            metrics=lambda: self.state.sluice.metrics if hasattr(self.state, "sluice") else None,
+        )
+
+
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,14 +71,9 @@ def create_app(settings: Settings) -> FastAPI:
             if state.audit is not None:
                 state.audit.close()
 
-    app = FastAPI(title="Sluice", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app = _SluiceApp(settings.max_request_bytes, title="Sluice", lifespan=lifespan, responses=ERROR_RESPONSES)
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(
-        FrontDoor,
-        max_request_bytes=settings.max_request_bytes,
-        metrics=lambda: app.state.sluice.metrics if hasattr(app.state, "sluice") else None,
-    )
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(responses.router)

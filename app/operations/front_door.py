@@ -9,8 +9,9 @@
   soon as it passes the limit.
 - **Metrics.** Every response's status, by method and route, in `sluice:http_requests_total`.
 
-One pure ASGI layer rather than three. A streamed response's body messages skip it, and the
-layers between it and the route (`BODY_SEND`): they only act on the response's start.
+One pure ASGI layer rather than three, outermost (app/server.py puts it outside Starlette's own
+error layer, so the 500 of an unexpected error carries the id too). A streamed response's
+body messages skip it and every layer below it (`BODY_SEND`): they act only on the response's start.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from app.operations.metrics import Metrics
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"[\x21-\x7e]{1,128}")
-# Scope key of the `send` this layer was given. An SSE response sends its body events there: the
-# layers in between (this one's request-id header, Starlette's two exception wrappers) act only on
-# the response's start, and passing each of a stream's events through them cost ~10% of the event
-# loop's time per event at hundreds of streams.
+# Scope key of the `send` this layer was given: the server's own. An SSE response sends its body
+# events there: the layers in between (this one's request-id header, Starlette's error layer and its
+# two exception wrappers) act only on the response's start, and passing each of a stream's events
+# through them cost ~10% of the event loop's time per event at hundreds of streams.
 BODY_SEND = "sluice.body_send"
 
 

@@ -198,6 +198,25 @@ def test_the_openapi_document_lists_every_error_status():
     assert error.endswith("/ErrorResponse")
 
 
+async def test_an_unexpected_error_s_500_carries_the_request_id():
+    # In process, with a route that fails: the front door sits outside Starlette's error layer.
+    from app.server import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings())
+
+    @app.get("/fails")
+    async def fails():
+        raise RuntimeError("on purpose")
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sluice") as client:
+        response = await client.get("/fails", headers={"X-Request-Id": "trace-500"})
+    assert response.status_code == 500
+    assert response.headers["x-request-id"] == "trace-500"
+    assert response.json()["error"]["message"] == "internal error: on purpose"
+
+
 def start_streams(base: str, max_tokens: list[int]) -> tuple[dict[int, list], list[threading.Thread]]:
     """One streamed chat per entry, each read to its end on a thread; returns once all run together."""
     streams: dict[int, list] = {}
