@@ -6,6 +6,7 @@ import asyncio
 import logging
 import threading
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp
@@ -46,7 +47,7 @@ class _SluiceApp(FastAPI):
     request id, in its header and its log line, and a stream's events go straight to the server's
     `send` (front_door.BODY_SEND)."""
 
-    def __init__(self, max_request_bytes: int, **kwargs) -> None:
+    def __init__(self, max_request_bytes: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.max_request_bytes = max_request_bytes
 
