@@ -152,10 +152,7 @@ def _coalesce(chunks: list[Chunk]) -> list[Chunk]:
     chunk per choice, however many it merges (a lagging reader's loop has no time to spare)."""
     by_choice: dict[int, list[Chunk]] = {}
     for chunk in chunks:
-        if chunk.index in by_choice:
-            by_choice[chunk.index].append(chunk)
-        else:
-            by_choice[chunk.index] = [chunk]
+        by_choice.setdefault(chunk.index, []).append(chunk)
     return [group[0] if len(group) == 1 else Chunk.joined(group) for group in by_choice.values()]
 
 
