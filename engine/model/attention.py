@@ -8,8 +8,9 @@ Tokens of one step are laid out decodes first, then prefill chunks:
 
 Linear layers run on all T tokens at once (no padding). With torch's kernels,
 decodes share one batched attention call, padded only inside the K/V gather and
-masked (on a GPU, the Triton kernel reads them through the block table instead),
-and each prefill chunk gets its own call. With the batch-invariant
+masked, and each prefill chunk gets its own call. On a GPU, two Triton kernels
+read K/V through the block table instead: one for the decodes, one for all the
+prefill chunks together. With the batch-invariant
 kernels every query, decode or chunk, reads its own request's keys through the
 block table in one call (engine/kernels/invariant.py).
 """
@@ -54,14 +55,46 @@ class PagedDecode:
     block_size: int
 
 
-def gpu_decode_kernel(device: torch.device, block_size: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
-    """The Triton paged decode kernel where it runs: a CUDA device, Triton installed (it ships with
-    CUDA PyTorch), and a cache block and head it takes; None elsewhere (the SDPA path then runs)."""
+@dataclass
+class PagedPrefill:
+    """Every prefill chunk of the step for one kernel call that reads the cache through the chunks'
+    block tables (engine/kernels/paged_prefill.py on a GPU) instead of a gather and a call per chunk."""
+
+    kernel: Callable[..., None]
+    # [C, W] block table of each chunk's request, padded with block 0.
+    block_tables: torch.Tensor
+    # [C, 3] each chunk's first token in the batch, its tokens, and its request's tokens cached before it.
+    chunks: torch.Tensor
+    # [N, 2] (chunk, first query of the chunk) of each of the kernel's tiles of queries.
+    tiles: torch.Tensor
+    block_size: int
+
+
+@dataclass(frozen=True)
+class GpuAttention:
+    """The Triton paged attention kernels, and how many of a chunk's queries one prefill tile takes."""
+
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., None]
+    queries_per_tile: int
+
+
+def gpu_attention(
+    device: torch.device, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> GpuAttention | None:
+    """The Triton paged kernels where they run: a CUDA device, Triton installed (it ships with CUDA
+    PyTorch), and a cache block and head they take; None elsewhere (the SDPA path then runs)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    from engine.kernels import paged_decode
+    from engine.kernels import paged_decode, paged_prefill
 
-    return paged_decode.paged_decode_attention if paged_decode.supports(block_size, head_dim) else None
+    if not paged_decode.supports(block_size, head_dim):
+        return None
+    return GpuAttention(
+        decode=paged_decode.paged_decode_attention,
+        prefill=paged_prefill.paged_prefill_attention,
+        queries_per_tile=paged_prefill.queries_per_tile(num_heads // num_kv_heads),
+    )
 
 
 @dataclass
@@ -81,6 +114,8 @@ class AttentionMetadata:
     kernel: KernelAttentionMetadata | None = None
     # For a paged decode kernel instead of decode_slots and decode_mask.
     paged_decode: PagedDecode | None = None
+    # For a paged prefill kernel instead of prefills.
+    paged_prefill: PagedPrefill | None = None
 
 
 def paged_attention(
@@ -117,6 +152,11 @@ def paged_attention(
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[:num_decodes] = od.reshape(num_decodes, num_heads, head_dim)
 
+    if meta.paged_prefill is not None:
+        prefill = meta.paged_prefill
+        prefill.kernel(
+            q, k_cache, v_cache, out, prefill.block_tables, prefill.chunks, prefill.tiles, prefill.block_size, scale
+        )
     for chunk in meta.prefills:
         end = chunk.start + chunk.num_tokens
         qc = q[chunk.start : end].transpose(0, 1)

@@ -11,7 +11,7 @@ import torch
 
 from engine.kernels.invariant import KernelAttentionMetadata
 from engine.kv_cache import KVCache
-from engine.model.attention import AttentionMetadata, PagedDecode, PrefillChunk, gpu_decode_kernel
+from engine.model.attention import AttentionMetadata, PagedDecode, PagedPrefill, PrefillChunk, gpu_attention
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.request import Request
 from engine.scheduler import StepPlan
@@ -43,8 +43,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = model.device
-        # The GPU's paged decode kernel, where it runs (else decodes gather their contexts for SDPA).
-        self.decode_kernel = gpu_decode_kernel(self.device, block_size, model.head_dim)
+        # The GPU's paged attention kernels, where they run (else SDPA over gathered contexts).
+        self.gpu_attention = gpu_attention(self.device, block_size, model.num_heads, model.num_kv_heads, model.head_dim)
         self.kv_cache = KVCache.allocate(
             num_layers=model.num_layers,
             num_blocks=num_blocks,
@@ -158,20 +158,37 @@ class ModelRunner:
         return self._table_tensor([segment.request.block_table for segment in segments], width)
 
     def _torch_metadata(self, meta: AttentionMetadata, segments: list[Segment]) -> None:
-        """Decodes batched with their contexts gathered and padded; a causal call per prefill chunk."""
+        """Decodes batched with their contexts gathered and padded; a causal call per prefill chunk.
+        On a GPU, one paged kernel call for the decodes and one for every prefill chunk instead."""
+        gpu = self.gpu_attention
+        chunk_segments: list[Segment] = []
+        chunks, tiles = array("q"), array("q")
         offset = 0
         for segment in segments:
             num_new = len(segment.token_ids)
-            if num_new > 1:
+            if num_new > 1 and gpu is not None:
+                chunks.extend((offset, num_new, segment.start))
+                for first in range(0, num_new, gpu.queries_per_tile):
+                    tiles.extend((len(chunk_segments), first))
+                chunk_segments.append(segment)
+            elif num_new > 1:
                 meta.prefills.append(
                     self._prefill_chunk(segment.request, offset, segment.start, segment.start + num_new)
                 )
             offset += num_new
+        if chunk_segments:
+            meta.paged_prefill = PagedPrefill(
+                kernel=gpu.prefill,
+                block_tables=self._block_tables(chunk_segments),
+                chunks=self._tensor(chunks).view(-1, 3),
+                tiles=self._tensor(tiles).view(-1, 2),
+                block_size=self.block_size,
+            )
         decodes = [segment for segment in segments if len(segment.token_ids) == 1]
         meta.num_decode_tokens = len(decodes)
-        if decodes and self.decode_kernel is not None:
+        if decodes and gpu is not None:
             meta.paged_decode = PagedDecode(
-                kernel=self.decode_kernel,
+                kernel=gpu.decode,
                 block_tables=self._block_tables(decodes),
                 context_lens=self._tensor([segment.start + 1 for segment in decodes]),
                 block_size=self.block_size,

@@ -1,8 +1,6 @@
 """The Triton paged decode kernel against SDPA over the same keys, on random paged layouts. On a
 machine without CUDA it runs in Triton's interpreter on the CPU; without Triton it skips."""
 
-import asyncio
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,8 +9,6 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the GPU decode kernel is written in Triton")
 
 from engine.kernels.paged_decode import paged_decode_attention, supports  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -74,25 +70,3 @@ def test_the_kernel_matches_sdpa_and_a_decode_is_the_same_alone(block_size, head
 def test_shapes_the_kernel_does_not_take():
     assert supports(16, 64) and supports(32, 128)
     assert not supports(8, 64) and not supports(24, 64) and not supports(16, 512)
-
-
-async def test_an_engine_decoding_through_the_kernel_gives_the_tokens_of_the_sdpa_path(default_tokenizer):
-    """The runner's wiring: block tables and context lengths of every decode in a ragged batch whose
-    contexts cross cache blocks (here on the CPU, through Triton's interpreter, where CUDA is not)."""
-    loaded = tiny_loaded(default_tokenizer, device=DEVICE)
-    prompts = [list(range(20, 60)), [5, 9, 13], [7] * 15, list(range(100, 131))]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    async def run(kernel):
-        engine = tiny_engine(loaded, block_size=16)
-        engine.runner.decode_kernel = kernel
-        engine.start()
-        try:
-            results = await asyncio.gather(*[collect(engine, p, params) for p in prompts])
-        finally:
-            engine.shutdown()
-        return [[t for chunk in chunks for t in chunk.token_ids] for chunks in results]
-
-    through_sdpa = await run(None)
-    assert all(len(tokens) == 24 for tokens in through_sdpa)
-    assert await run(paged_decode_attention) == through_sdpa
