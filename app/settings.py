@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     """On a GPU, the fraction of its memory Sluice may fill in all (weights, activations, KV cache; memory
     other processes hold counts against it), as vLLM's flag; it sizes the KV cache when --kv-cache-gib
     is not given."""
+    enforce_eager: bool = False
+    """On a GPU, run every step eagerly; by default decode steps replay CUDA graphs captured at start-up, one per
+    batch size (1, 2, 4, 8, then every 16 up to --max-num-seqs), as vLLM's flag."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before (system prompts, resent conversation history);
     --no-enable-prefix-caching turns it off."""

@@ -185,6 +185,7 @@ def build_state(settings: Settings) -> ServerState:
         jump_forward=settings.jump_forward,
         pinned_kv_seconds=settings.response_kv_ttl,
         max_pinned_kv_fraction=settings.max_pinned_kv_fraction,
+        enforce_eager=settings.enforce_eager,
     )
     logger.info(
         "KV cache: %d blocks of %d tokens in %.2f GiB (%s); max_model_len %d; up to %d streams and %d tokens a step",

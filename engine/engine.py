@@ -55,6 +55,8 @@ class EngineConfig:
     # the most of the pool pins may hold (the oldest pin goes first past it).
     pinned_kv_seconds: float = 300.0
     max_pinned_kv_fraction: float = 0.25
+    # On a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up.
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ class Engine:
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
+        if loaded.model.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
         self.sampler = Sampler(loaded.cpu_kernels)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
@@ -145,6 +149,18 @@ class Engine:
             self.proposer = DraftProposer(draft_model, self.block_manager, config.num_kv_blocks, config.block_size)
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._stats = self._snapshot(alive=False)
+
+    def _capture_graphs(self) -> None:
+        try:
+            captured = self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+        except Exception as exc:
+            raise RuntimeError(
+                "capturing the decode steps as CUDA graphs failed; --enforce-eager runs without them"
+            ) from exc
+        if not captured:
+            logger.info(
+                "CUDA graphs off: they need the Triton paged decode kernel (a cache block of 16 or more) and no int4"
+            )
 
     # Event loop side (any thread).
 

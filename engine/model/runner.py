@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -13,6 +13,7 @@ from engine.kernels.invariant import KernelAttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, PagedDecode, PagedPrefill, PrefillChunk, gpu_attention
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
+from engine.model.graphs import DecodeGraphs, Replay
 from engine.request import Request
 from engine.scheduler import StepPlan
 
@@ -45,15 +46,38 @@ class ModelRunner:
         self.device = model.device
         # The GPU's paged attention kernels, where they run (else SDPA over gathered contexts).
         self.gpu_attention = gpu_attention(self.device, block_size, model.num_heads, model.num_kv_heads, model.head_dim)
+        # Decode steps replayed as CUDA graphs, once captured (capture_decode_graphs).
+        self.graphs: DecodeGraphs | None = None
+        # One block past the pool's: a graph's padding rows write and read there, and nothing else does.
+        self.scratch_block = num_blocks
         self.kv_cache = KVCache.allocate(
             num_layers=model.num_layers,
-            num_blocks=num_blocks,
+            num_blocks=num_blocks + 1,
             block_size=block_size,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
             dtype=model.dtype,
             device=model.device,
         )
+
+    def capture_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, capture: Callable[[Callable[[], HeadOutput]], Replay] | None = None
+    ) -> bool:
+        """Capture decode steps of up to max_num_seqs requests as CUDA graphs (or with `capture`); whether
+        they were: they need the GPU's paged decode kernel and full-precision weights."""
+        if self.gpu_attention is None or self.model.int4_max_tokens or self.model.kernels is not None:
+            return False
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.gpu_attention,
+            self.block_size,
+            self.scratch_block,
+            max_num_seqs,
+            max_model_len,
+            capture,
+        )
+        return True
 
     def execute(self, plan: StepPlan) -> tuple[list[Request], HeadOutput]:
         """Run one forward; return the requests that sample this step and their logits rows
@@ -80,6 +104,13 @@ class ModelRunner:
         Each segment's tokens sit at positions start, start + 1, ... of its request and
         attend to the request's cached K/V before `start`.
         """
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and len(segments) <= graphs.max_batch
+            and all(len(s.token_ids) == 1 and s.logits is Logits.LAST for s in segments)
+        ):
+            return self._replay(graphs, segments)
         input_ids, positions, slots, logits_indices = array("q"), array("q"), array("q"), array("q")
         # Each token's segment: its row of the kernel's block tables (torch.repeat_interleave over the
         # segments' lengths took 6% of a 64-stream step for this).
@@ -124,6 +155,17 @@ class ModelRunner:
             self._tensor(logits_indices),
             allow_int4=not computes_prompt,
         )
+
+    def _replay(self, graphs: DecodeGraphs, segments: list[Segment]) -> HeadOutput:
+        """A step of decodes only, each wanting its logits: the captured graph of its batch size."""
+        token_ids, positions, slots = array("q"), array("q"), array("q")
+        size = self.block_size
+        for segment in segments:
+            start = segment.start
+            token_ids.append(segment.token_ids[0])
+            positions.append(start)
+            slots.append(segment.request.block_table[start // size] * size + start % size)
+        return graphs.replay(token_ids, positions, slots, [segment.request.block_table for segment in segments])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks, (source, destination), in every layer."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import torch
@@ -107,6 +108,13 @@ async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> 
     channel = StreamChannel(asyncio.get_running_loop(), num_choices=params.n)
     engine.submit("t", prompt, params, channel)
     return [chunk async for chunk in channel]
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
 
 
 def tokens_of(chunks: list[Chunk]) -> list[int]:

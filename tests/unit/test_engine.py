@@ -1,12 +1,11 @@
 import asyncio
 import random
-import time
 
 import pytest
 
 from engine.channel import StreamChannel
 from engine.request import FinishReason, SamplingParams
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded, tokens_of
+from tests.unit.helpers import collect, tiny_engine, tiny_loaded, tokens_of, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +23,6 @@ def engine(loaded):
 
 def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0.0)
-
-
-async def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_every_stream_ends_with_exactly_one_terminal_chunk(engine):

@@ -1,0 +1,147 @@
+"""Decode steps replayed as CUDA graphs.
+
+Eager, a decode step on a GPU is mostly Python and kernel launches: the GPU waits on each of the
+forward's hundreds of small kernels in turn. A graph captured once per batch size at start-up
+replays them all in one launch. Batch sizes are bucketed (1, 2, 4, 8, then steps of 16 up to
+--max-num-seqs); a step of n decodes is padded to its bucket with rows that write and read a scratch
+cache block of their own, outside the pool, so they touch no request's K/V.
+
+Every input lives in a static device buffer the graphs read: a step fills the first rows in place
+(one copy for the token ids, positions, slots and context lengths, one for the block tables) and
+replays. Decode attention runs on the Triton paged kernel, whose grid and shapes are fixed per bucket.
+Steps with a prompt chunk or a verification, and steps larger than the largest bucket, run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Callable
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model.attention import AttentionMetadata, GpuAttention, PagedDecode
+from engine.model.causal_lm import HeadOutput, PagedCausalLM
+
+logger = logging.getLogger(__name__)
+
+# What capturing a forward gives back: a call that runs it again and returns its output.
+Replay = Callable[[], HeadOutput]
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every 16 up to max_num_seqs, and max_num_seqs."""
+    small = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
+    return [*small, *range(16, max_num_seqs, 16), max_num_seqs]
+
+
+def capture_cuda_graph(pool: list) -> Callable[[Callable[[], HeadOutput]], Replay]:
+    """Captures forwards as CUDA graphs sharing one memory pool (`pool` holds it between calls);
+    the largest bucket is captured first, so the smaller ones fit in what it reserved."""
+
+    def capture(forward: Callable[[], HeadOutput]) -> Replay:
+        # One eager run first: it compiles the Triton kernels and settles cuBLAS's workspaces, which
+        # must not happen inside a capture.
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool[0] if pool else None):
+            output = forward()
+        if not pool:
+            pool.append(graph.pool())
+
+        def replay() -> HeadOutput:
+            graph.replay()
+            return output
+
+        return replay
+
+    return capture
+
+
+class DecodeGraphs:
+    """A replay per batch bucket over static input buffers; padding rows stay in the scratch block."""
+
+    def __init__(
+        self,
+        model: PagedCausalLM,
+        kv_cache: KVCache,
+        attention: GpuAttention,
+        block_size: int,
+        scratch_block: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: Callable[[Callable[[], HeadOutput]], Replay] | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        device = model.device
+        # A padding row: token 0 at position 0, written to and read from the scratch block's first slot.
+        self._padding = (0, 0, scratch_block * block_size, 1)
+        # Rows: token ids, positions, cache slots, context lengths; padding until a step fills them.
+        self.inputs = torch.tensor(self._padding, device=device).unsqueeze(1).repeat(1, self.max_batch)
+        self.block_tables = torch.full(
+            (self.max_batch, -(-max_model_len // block_size)), scratch_block, dtype=torch.long, device=device
+        )
+        self.logits_indices = torch.arange(self.max_batch, device=device)
+        capture = capture or capture_cuda_graph([])
+        started, free_before = time.perf_counter(), self._free_memory()
+        self._replays: dict[int, Replay] = {}
+        for bucket in reversed(self.buckets):
+            self._replays[bucket] = capture(lambda bucket=bucket: self._forward(bucket))
+        if device.type == "cuda":
+            logger.info(
+                "CUDA graphs: %d batch sizes up to %d captured in %.1f s, %.0f MiB of GPU memory",
+                len(self.buckets),
+                self.max_batch,
+                time.perf_counter() - started,
+                (free_before - self._free_memory()) / 2**20,
+            )
+
+    def replay(self, token_ids: array, positions: array, slots: array, tables: list[list[int]]) -> HeadOutput:
+        """The logits [n, V] of n decodes (n <= max_batch): the i-th reads its context through tables[i]."""
+        num_decodes = len(token_ids)
+        bucket = next(size for size in self.buckets if size >= num_decodes)
+        pad = bucket - num_decodes
+        host = array("q")
+        for column, padding in zip((token_ids, positions, slots, [p + 1 for p in positions]), self._padding):
+            host.extend(column)
+            host.extend([padding] * pad)
+        self.inputs[:, :bucket].copy_(torch.frombuffer(host, dtype=torch.long).view(4, bucket))
+        width = max(-(-(p + 1) // self.block_size) for p in positions)
+        flat = array("q")
+        for table in tables:
+            row = table[:width]
+            flat.extend(row)
+            flat.extend([self.scratch_block] * (width - len(row)))
+        flat.extend([self.scratch_block] * (width * pad))
+        self.block_tables[:bucket, :width].copy_(torch.frombuffer(flat, dtype=torch.long).view(bucket, width))
+        output = self._replays[bucket]()
+        return HeadOutput(output.logits[:num_decodes])
+
+    def _forward(self, bucket: int) -> HeadOutput:
+        token_ids, positions, slots, context_lens = (row[:bucket] for row in self.inputs)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=bucket,
+            decode_slots=None,
+            decode_mask=None,
+            prefills=[],
+            paged_decode=PagedDecode(
+                kernel=self.attention.decode,
+                block_tables=self.block_tables[:bucket],
+                context_lens=context_lens,
+                block_size=self.block_size,
+            ),
+        )
+        return self.model.forward(token_ids, positions, meta, self.kv_cache, self.logits_indices[:bucket])
+
+    def _free_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else 0

@@ -1,0 +1,138 @@
+"""Decode steps replayed from static buffers, padded to their batch bucket (engine/model/graphs.py).
+
+Without a GPU nothing can be captured: the "capture" given to the runner is the static forward itself,
+run at each replay, so these tests check everything around torch.cuda.graph (the buffers filled in
+place, the bucket padding, the scratch block) through Triton's interpreter. On CUDA the last test
+captures real graphs."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+# Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the decode kernel runs in Triton's interpreter.
+pytest.importorskip("triton", reason="graphs replay the Triton paged decode kernel")
+
+from engine.channel import StreamChannel  # noqa: E402
+from engine.model.attention import gpu_attention  # noqa: E402
+from engine.model.graphs import batch_buckets  # noqa: E402
+from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
+from engine.request import FinishReason, SamplingParams  # noqa: E402
+from tests.unit.helpers import collect, make_request, tiny_engine, tiny_loaded, tokens_of, wait_for  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernels(model):
+    return gpu_attention(torch.device("cuda"), 16, model.num_heads, model.num_kv_heads, model.head_dim)
+
+
+def _recording_capture(sizes):
+    """A stand-in for capture_cuda_graph: each replay runs the bucket's static forward and notes its rows."""
+
+    def capture(forward):
+        def replay():
+            output = forward()
+            sizes.append(output.logits.shape[0])
+            return output
+
+        return replay
+
+    return capture
+
+
+def test_buckets_are_powers_of_two_to_8_then_steps_of_16():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(256)[-3:] == [224, 240, 256] and len(batch_buckets(256)) == 20
+
+
+async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_tokenizer):
+    """Twelve requests that end one after another, so the batch shrinks through every bucket, most
+    steps padded (11 rows in 12, 7 in 8, ...); prompts prefilled in chunks run eagerly in between."""
+    loaded = tiny_loaded(default_tokenizer, device=DEVICE)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 400) for _ in range(rng.randint(3, 40))] for _ in range(12)]
+    # The first request, whose blocks come first in the pool (block 0, where a padding row writing into
+    # the pool would most likely land), decodes longest.
+    lengths = [36 - 3 * i for i in range(12)]
+
+    async def run(replayed):
+        engine = tiny_engine(loaded, block_size=16, max_num_seqs=12)
+        engine.runner.gpu_attention = _kernels(loaded.model)
+        if replayed is not None:
+            assert engine.runner.capture_decode_graphs(12, 1024, capture=_recording_capture(replayed))
+        engine.start()
+        try:
+            results = await asyncio.gather(
+                *[
+                    collect(engine, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                    for p, n in zip(prompts, lengths)
+                ]
+            )
+            await wait_for(lambda: engine.stats.kv_blocks_used == 0)
+            engine.block_manager.check_integrity(engine.scheduler.requests())
+        finally:
+            engine.shutdown()
+        return [tokens_of(chunks) for chunks in results]
+
+    replayed = []
+    eager = await run(None)
+    assert [len(tokens) for tokens in eager] == lengths
+    assert await run(replayed) == eager
+    assert set(replayed) == {1, 2, 4, 8, 12}
+
+
+async def test_a_cancel_between_replays_frees_the_request_s_blocks(default_tokenizer):
+    loaded = tiny_loaded(default_tokenizer, device=DEVICE)
+    engine = tiny_engine(loaded, block_size=16, max_num_seqs=4)
+    engine.runner.gpu_attention = _kernels(loaded.model)
+    replayed = []
+    engine.runner.capture_decode_graphs(4, 1024, capture=_recording_capture(replayed))
+    engine.start()
+    try:
+        victim = StreamChannel(asyncio.get_running_loop())
+        engine.submit("victim", list(range(1, 30)), SamplingParams(max_tokens=500, temperature=0.0), victim)
+        other = asyncio.create_task(collect(engine, [1, 2], SamplingParams(max_tokens=30, temperature=0.0)))
+        async for chunk in victim:
+            if len(chunk.token_ids) and replayed:
+                break
+        victim.cancel()
+        rest = [c async for c in victim]
+        assert rest[-1].finish_reason == FinishReason.CANCELLED
+        assert len(tokens_of(await other)) == 30
+        await wait_for(lambda: engine.stats.kv_blocks_used == 0)
+        engine.block_manager.check_integrity(engine.scheduler.requests())
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_tokenizer):
+    """Float32: a batch the size of its bucket runs the very kernels the graph recorded, so its logits
+    are identical; a padded batch may get other GEMM kernels for its other row count, so close."""
+    loaded = tiny_loaded(default_tokenizer, device="cuda")
+    runner = ModelRunner(loaded.model, num_blocks=64, block_size=16)
+    for storage in (runner.kv_cache.key, runner.kv_cache.value):
+        storage.normal_()
+    assert runner.capture_decode_graphs(max_num_seqs=20, max_model_len=256)
+    graphs = runner.graphs
+    rng = random.Random(5)
+    for n in range(1, 21):
+        segments = []
+        for i in range(n):
+            request = make_request(prompt_len=rng.randint(1, 100))
+            request.block_table = rng.sample(range(64), 8)
+            start = rng.randrange(0, 8 * 16)
+            segments.append(Segment(request, start, [rng.randrange(1, 500)], Logits.LAST))
+        replayed = runner.run(segments).logits.clone()
+        runner.graphs = None
+        eager = runner.run(segments).logits
+        runner.graphs = graphs
+        if n in graphs.buckets:
+            assert torch.equal(replayed, eager), n
+        else:
+            torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
