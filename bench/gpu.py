@@ -4,6 +4,8 @@ the serving sweep against `transformers serve --continuous-batching` on the same
     python bench/gpu.py                                       # the Llama-1B shape, 1 / 16 / 64 / 256 streams
     python bench/gpu.py --shapes smollm2-135m llama-1b llama-8b
     python bench/gpu.py --flags "--dtype float32 --kv-cache-gib 16" --no-peer   # Sluice alone, other flags
+    python bench/gpu.py --flags "--max-num-batched-tokens 2048 --kv-cache-gib 16 --enforce-eager" --no-peer
+                                                              # without CUDA graphs, for their speed-up
 
 Each shape is a Llama config with random bfloat16 weights and the default model's tokenizer, saved once
 under `--cache-dir`: speed does not depend on the weights' values, and none can be downloaded. Per shape:
