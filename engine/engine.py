@@ -99,6 +99,10 @@ class _Unpin:
 
 
 _SHUTDOWN_MESSAGE = "the engine is shutting down"
+_NO_TOKENS_FOR_GRAMMAR = (
+    "the output's grammar cannot be followed with this model's tokens: it asks for text (a character or byte) "
+    "that no token of the model's vocabulary can write"
+)
 
 
 class Engine:
@@ -362,13 +366,19 @@ class Engine:
                 continue
             token_ids = outputs[id(request)][0]
             if not request.constraint.advance(token_ids):
-                request.finish(RequestStatus.FINISHED_ERROR, "the output left its grammar")
+                # The masks come from the grammar, so a token they allowed that it then refuses means the
+                # grammar wants text no token of this vocabulary holds (llguidance allows a wrong token
+                # there rather than none): e.g. a character whose first byte has no token of its own.
+                request.finish(RequestStatus.FINISHED_REJECTED, _NO_TOKENS_FOR_GRAMMAR)
                 continue
             # Forced tokens have no logprobs of their own, so a request that asked for them samples every token.
             if not self.config.jump_forward or request.params.logprobs is not None or request.constraint.done:
                 continue
             if extra := request.constraint.forced():
-                request.constraint.advance(extra)
+                # Forced bytes no token holds come back as other tokens (or none), which the grammar refuses.
+                if not request.constraint.advance(extra):
+                    request.finish(RequestStatus.FINISHED_REJECTED, _NO_TOKENS_FOR_GRAMMAR)
+                    continue
                 token_ids.extend(extra)
                 forced[id(request)] = len(extra)
         return forced

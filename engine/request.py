@@ -21,6 +21,9 @@ class FinishReason(str, Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    # The request asked for what this model cannot do (a grammar its tokens cannot follow): the
+    # client's error, where ERROR is the server's.
+    REJECTED = "rejected"
 
 
 class RequestStatus(IntEnum):
@@ -33,6 +36,7 @@ class RequestStatus(IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_CANCELLED = 5
     FINISHED_ERROR = 6
+    FINISHED_REJECTED = 7
 
     @property
     def is_finished(self) -> bool:
@@ -44,6 +48,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_CANCELLED: FinishReason.CANCELLED,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
 }
 
 

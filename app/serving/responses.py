@@ -114,7 +114,7 @@ class ResponseRun:
                     self.accounting.on_chunk(chunk)
                 self.conversation.output_ids += chunk.token_ids
                 self.conversation.output_text += chunk.text
-                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.REJECTED, FinishReason.CANCELLED):
                     terminal = chunk
                     break
                 for piece in self._pieces(chunk):
@@ -202,6 +202,7 @@ class ResponseRun:
             FinishReason.STOP: "completed",
             FinishReason.LENGTH: "incomplete",
             FinishReason.ERROR: "failed",
+            FinishReason.REJECTED: "failed",
         }.get(reason, "cancelled")
         if status in ("completed", "incomplete") and not self.response.output:
             self._open_message()
@@ -211,7 +212,8 @@ class ResponseRun:
         if status == "incomplete":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
         elif status == "failed":
-            response.error = ResponseError(code="server_error", message=terminal.error or "generation failed")
+            code = "invalid_prompt" if reason == FinishReason.REJECTED else "server_error"
+            response.error = ResponseError(code=code, message=terminal.error or "generation failed")
             self._emit("error", code=response.error.code, message=response.error.message, param=None)
         elif status == "cancelled":
             response.error = ResponseError(code="cancelled", message="the response was cancelled")

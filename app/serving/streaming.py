@@ -58,6 +58,8 @@ DONE = "[DONE]"
 _json_text = json.JSONEncoder(ensure_ascii=False).encode
 # Stands for a delta's text while a chunk template is rendered; never in an id or a model name.
 _TEXT_SLOT = "\u0001sluice-text\u0001"
+# Finish reasons that end a choice with an error event instead of its last delta.
+_ENDED_IN_ERROR = (FinishReason.ERROR, FinishReason.REJECTED, FinishReason.CANCELLED)
 
 
 @dataclass
@@ -139,7 +141,7 @@ class Generation:
                     self.accounting.on_chunk(chunk)
                 open_choices -= chunk.is_terminal
                 completion_tokens += len(chunk.token_ids)
-                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                if chunk.finish_reason in _ENDED_IN_ERROR:
                     yield _error_json(chunk)
                     break
                 if parsers is not None:
@@ -171,7 +173,9 @@ class Generation:
                 if self.accounting is not None:
                     self.accounting.on_chunk(chunk)
                 open_choices -= chunk.is_terminal
-                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED):
+                if chunk.finish_reason == FinishReason.REJECTED:
+                    raise OpenAIError(400, chunk.error or "the request cannot be served by this model")
+                if chunk.finish_reason in _ENDED_IN_ERROR:
                     raise OpenAIError(500, chunk.error or "the request was cancelled", code="engine_error")
                 completion_tokens += len(chunk.token_ids)
                 choice = choices[chunk.index]
@@ -370,6 +374,8 @@ def timings_payload(timings: engine_channel.Timings | None) -> Timings | None:
 def _error_json(chunk: Chunk) -> str:
     if chunk.finish_reason == FinishReason.CANCELLED:
         body = error_body(499, "the stream was cancelled", code="cancelled")
+    elif chunk.finish_reason == FinishReason.REJECTED:
+        body = error_body(400, chunk.error or "the request cannot be served by this model")
     else:
         body = error_body(500, chunk.error or "generation failed", code="engine_error")
     return json.dumps(body)
