@@ -15,11 +15,21 @@ import torch
 pytest.importorskip("triton", reason="graphs replay the Triton paged decode kernel")
 
 from engine.channel import StreamChannel  # noqa: E402
+from engine.engine import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.graphs import batch_buckets  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
 from engine.request import FinishReason, SamplingParams  # noqa: E402
-from tests.unit.helpers import collect, make_request, tiny_engine, tiny_loaded, tokens_of, wait_for  # noqa: E402
+from tests.unit.helpers import (  # noqa: E402
+    collect,
+    make_request,
+    tiny_engine,
+    tiny_hf_model,
+    tiny_loaded,
+    tokens_of,
+    wait_for,
+)
+from tests.unit.test_model import hf_greedy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -110,6 +120,37 @@ async def test_a_cancel_between_replays_frees_the_request_s_blocks(default_token
         engine.shutdown()
 
 
+async def test_a_preemption_between_replays_recomputes_the_same_tokens(default_tokenizer):
+    """A pool of 8 blocks of 16 tokens for four requests that grow to 60 tokens each: the youngest are
+    preempted and recomputed while the others' decode steps replay, and every request still gets the
+    eager path's tokens."""
+    loaded = tiny_loaded(default_tokenizer, device=DEVICE)
+    prompts = [[10 + i] * 20 for i in range(4)]
+
+    async def run(replayed):
+        engine = tiny_engine(loaded, block_size=16, max_num_seqs=4, num_kv_blocks=8)
+        engine.runner.gpu_attention = _kernels(loaded.model)
+        if replayed is not None:
+            engine.runner.capture_decode_graphs(4, 1024, capture=_recording_capture(replayed))
+        engine.start()
+        try:
+            results = await asyncio.gather(
+                *[collect(engine, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for p in prompts]
+            )
+            await wait_for(lambda: engine.stats.kv_blocks_used == 0)
+            engine.block_manager.check_integrity(engine.scheduler.requests())
+            preemptions = engine.stats.num_preemptions
+        finally:
+            engine.shutdown()
+        return [tokens_of(chunks) for chunks in results], preemptions
+
+    replayed = []
+    eager, _ = await run(None)
+    tokens, preemptions = await run(replayed)
+    assert preemptions > 0 and replayed
+    assert tokens == eager
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_tokenizer):
     """Float32: a batch the size of its bucket runs the very kernels the graph recorded, so its logits
@@ -136,3 +177,24 @@ def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_toke
             assert torch.equal(replayed, eager), n
         else:
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram", num_tokens=4, max_batch_size=16)])
+async def test_greedy_float32_through_graphs_equals_hf_generate_for_16_streams(default_tokenizer, speculative):
+    """The engine as a server builds it on a GPU (graphs captured, the Triton kernels), 16 streams."""
+    loaded = tiny_loaded(default_tokenizer, repetitive=speculative is not None, device="cuda")
+    reference = tiny_hf_model(repetitive=speculative is not None).to("cuda")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 400) for _ in range(rng.randint(3, 40))] for _ in range(16)]
+    expected = [hf_greedy(reference, p, 24) for p in prompts]
+    engine = tiny_engine(loaded, block_size=16, max_num_seqs=16, speculative=speculative)
+    assert engine.runner.graphs is not None
+    engine.start()
+    try:
+        results = await asyncio.gather(
+            *[collect(engine, p, SamplingParams(max_tokens=24, temperature=0.0)) for p in prompts]
+        )
+    finally:
+        engine.shutdown()
+    assert [tokens_of(chunks) for chunks in results] == expected
