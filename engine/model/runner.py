@@ -107,7 +107,7 @@ class ModelRunner:
         graphs = self.graphs
         if (
             graphs is not None
-            and len(segments) <= graphs.max_batch
+            and 0 < len(segments) <= graphs.max_batch
             and all(len(s.token_ids) == 1 and s.logits is Logits.LAST for s in segments)
         ):
             return self._replay(graphs, segments)
