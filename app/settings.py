@@ -60,8 +60,8 @@ class Settings(BaseSettings):
     """Memory for the paged KV cache, in GiB. Default: 2 on a CPU; on a GPU, what --gpu-memory-utilization
     leaves once the weights are loaded and a step's activations are set aside."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """On a GPU, the fraction of its memory Sluice may fill in all (weights, activations, KV cache; memory
-    other processes hold counts against it), as vLLM's flag; it sizes the KV cache when --kv-cache-gib
+    """On a GPU, the fraction of its memory Sluice may fill in all (weights, activations, CUDA graphs, KV cache;
+    memory other processes hold counts against it), as vLLM's flag; it sizes the KV cache when --kv-cache-gib
     is not given."""
     enforce_eager: bool = False
     """On a GPU, run every step eagerly; by default decode steps replay CUDA graphs captured at start-up, one per

@@ -165,6 +165,7 @@ def build_state(settings: Settings) -> ServerState:
         settings.gpu_memory_utilization,
         max_model_len,
         rows_per_seq=1 + (speculative.num_tokens if speculative else 0),
+        cuda_graphs=not settings.enforce_eager,
     )
     num_blocks = num_kv_blocks(sizing.kv_cache_bytes, settings.block_size, loaded.model, draft_model)
     if num_blocks * settings.block_size < max_model_len:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine.model.causal_lm import PagedCausalLM
-from engine.sizing import gpu_kv_cache_bytes, num_kv_blocks, plan, step_activation_bytes
+from engine.sizing import gpu_kv_cache_bytes, graph_pool_bytes, num_kv_blocks, plan, step_activation_bytes
 from tests.unit.helpers import tiny_hf_model
 
 GIB = 2**30
@@ -50,6 +50,17 @@ def test_speculation_sets_aside_logits_for_every_proposal(gpu_model):
     uncapped_rows = step_activation_bytes(gpu_model, 512, 256 * 7, 1024)
     assert int(0.9 * 80 * GIB) - 10 * GIB - capped.kv_cache_bytes == step_activation_bytes(gpu_model, 512, 512, 1024)
     assert step_activation_bytes(gpu_model, 512, 512, 1024) < uncapped_rows
+
+
+def test_cuda_graphs_set_aside_their_pool(gpu_model):
+    memory = lambda: (70 * GIB, 80 * GIB)  # noqa: E731
+    eager = plan(gpu_model, None, None, None, 0.9, 1024, memory_info=memory)
+    graphs = plan(gpu_model, None, None, None, 0.9, 1024, memory_info=memory, cuda_graphs=True)
+    assert eager.kv_cache_bytes - graphs.kv_cache_bytes == graph_pool_bytes(gpu_model, 256) > 0
+    assert "GiB for CUDA graphs" in graphs.explanation and "CUDA graphs" not in eager.explanation
+    # The pool is the largest bucket's: it grows with --max-num-seqs, and holds each row's logits twice.
+    rows = graph_pool_bytes(gpu_model, 128) - graph_pool_bytes(gpu_model, 64)
+    assert rows == graph_pool_bytes(gpu_model, 64) > 2 * 64 * gpu_model.vocab_size * (4 + 4)
 
 
 def test_activations_grow_with_tokens_rows_and_context(model):
