@@ -37,28 +37,29 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [*small, *range(16, max_num_seqs, 16), max_num_seqs]
 
 
-def capture_cuda_graph(pool: list) -> Callable[[Callable[[], HeadOutput]], Replay]:
-    """Captures forwards as CUDA graphs sharing one memory pool (`pool` holds it between calls);
-    the largest bucket is captured first, so the smaller ones fit in what it reserved."""
+class CudaGraphCapture:
+    """Captures forwards as CUDA graphs sharing one memory pool: the largest bucket is captured first,
+    so the smaller ones fit in what it reserved."""
 
-    def capture(forward: Callable[[], HeadOutput]) -> Replay:
+    def __init__(self) -> None:
+        self._pool: tuple[int, int] | None = None
+
+    def __call__(self, forward: Callable[[], HeadOutput]) -> Replay:
         # One eager run first: it compiles the Triton kernels and settles cuBLAS's workspaces, which
         # must not happen inside a capture.
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool[0] if pool else None):
+        with torch.cuda.graph(graph, pool=self._pool):
             output = forward()
-        if not pool:
-            pool.append(graph.pool())
+        if self._pool is None:
+            self._pool = graph.pool()
 
         def replay() -> HeadOutput:
             graph.replay()
             return output
 
         return replay
-
-    return capture
 
 
 class DecodeGraphs:
@@ -91,7 +92,7 @@ class DecodeGraphs:
             (self.max_batch, -(-max_model_len // block_size)), scratch_block, dtype=torch.long, device=device
         )
         self.logits_indices = torch.arange(self.max_batch, device=device)
-        capture = capture or capture_cuda_graph([])
+        capture = capture or CudaGraphCapture()
         started, free_before = time.perf_counter(), self._free_memory()
         self._replays: dict[int, Replay] = {}
         for bucket in reversed(self.buckets):

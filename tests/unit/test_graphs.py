@@ -39,7 +39,7 @@ def _kernels(model):
 
 
 def _recording_capture(sizes):
-    """A stand-in for capture_cuda_graph: each replay runs the bucket's static forward and notes its rows."""
+    """A stand-in for CudaGraphCapture: each replay runs the bucket's static forward and notes its rows."""
 
     def capture(forward):
         def replay():
