@@ -122,17 +122,20 @@ class StepProfile:
     """Wall time the engine thread spends in each part of a step, by wrapping the methods.
 
     `inputs` is the runner's own work (the step's token ids, positions, slots and block tables) and
-    `model` the model's forward: together what the runner's `execute` takes."""
+    `model` the model's forward, eager or a CUDA graph's replay: together what the runner's `execute`
+    takes. On a GPU these are the host's times: the GPU's own shows where the sampler's copy waits."""
 
-    # Reported part -> the engine's method that times it ("execute" is reported as inputs + model).
-    WRAPPED = {
-        "schedule": "scheduler.schedule",
-        "execute": "runner.execute",
-        "model": "runner.model.forward",
-        "sample": "_sample",
-        "output": "output.emit",
-        "bridge": "output.flush",
-    }
+    # (Reported part, the engine's method that times it); "execute" is reported as inputs + model, and
+    # the graphs' launch is only there where decode steps were captured.
+    WRAPPED = (
+        ("schedule", "scheduler.schedule"),
+        ("execute", "runner.execute"),
+        ("model", "runner.model.forward"),
+        ("model", "runner.graphs.launch"),
+        ("sample", "_sample"),
+        ("output", "output.emit"),
+        ("bridge", "output.flush"),
+    )
     PARTS = ("schedule", "inputs", "model", "sample", "output", "bridge")
 
     def __init__(self, engine) -> None:
@@ -140,7 +143,7 @@ class StepProfile:
         # Steps of the level being measured, set by its runner.
         self.steps = 0
         self._wrap(engine, "step", "step")
-        for part, path in self.WRAPPED.items():
+        for part, path in self.WRAPPED:
             *owners, name = path.split(".")
             target = engine
             for owner in owners:

@@ -124,8 +124,11 @@ class DecodeGraphs:
             flat.extend([self.scratch_block] * (width - len(row)))
         flat.extend([self.scratch_block] * (width * pad))
         self.block_tables[:bucket, :width].copy_(torch.frombuffer(flat, dtype=torch.long).view(bucket, width))
-        output = self._replays[bucket]()
-        return HeadOutput(output.logits[:num_decodes])
+        return HeadOutput(self.launch(bucket).logits[:num_decodes])
+
+    def launch(self, bucket: int) -> HeadOutput:
+        """The captured step of `bucket` rows over the static buffers as they stand."""
+        return self._replays[bucket]()
 
     def _forward(self, bucket: int) -> HeadOutput:
         token_ids, positions, slots, context_lens = (row[:bucket] for row in self.inputs)
