@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -272,3 +273,15 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def flat_block_tables(tables: Iterable[list[int]], width: int, pad: int = 0) -> array:
+    """The tables row after row, each cut or padded with block `pad` to `width`: the buffer of a
+    [len(tables), width] tensor."""
+    flat = array("q")
+    for table in tables:
+        row = table[:width]
+        flat.extend(row)
+        if len(row) < width:
+            flat.extend([pad] * (width - len(row)))
+    return flat

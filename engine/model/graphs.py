@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, flat_block_tables
 from engine.model.attention import AttentionMetadata, GpuAttention, PagedDecode
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 
@@ -117,12 +117,7 @@ class DecodeGraphs:
             host.extend([padding] * pad)
         self.inputs[:, :bucket].copy_(torch.frombuffer(host, dtype=torch.long).view(4, bucket))
         width = max(-(-(p + 1) // self.block_size) for p in positions)
-        flat = array("q")
-        for table in tables:
-            row = table[:width]
-            flat.extend(row)
-            flat.extend([self.scratch_block] * (width - len(row)))
-        flat.extend([self.scratch_block] * (width * pad))
+        flat = flat_block_tables([*tables, *[[]] * pad], width, pad=self.scratch_block)
         self.block_tables[:bucket, :width].copy_(torch.frombuffer(flat, dtype=torch.long).view(bucket, width))
         return HeadOutput(self.launch(bucket).logits[:num_decodes])
 

@@ -10,7 +10,7 @@ from enum import Enum
 import torch
 
 from engine.kernels.invariant import KernelAttentionMetadata
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, flat_block_tables
 from engine.model.attention import AttentionMetadata, PagedDecode, PagedPrefill, PrefillChunk, gpu_attention
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import DecodeGraphs, Replay
@@ -104,13 +104,6 @@ class ModelRunner:
         Each segment's tokens sit at positions start, start + 1, ... of its request and
         attend to the request's cached K/V before `start`.
         """
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and 0 < len(segments) <= graphs.max_batch
-            and all(len(s.token_ids) == 1 and s.logits is Logits.LAST for s in segments)
-        ):
-            return self._replay(graphs, segments)
         input_ids, positions, slots, logits_indices = array("q"), array("q"), array("q"), array("q")
         # Each token's segment: its row of the kernel's block tables (torch.repeat_interleave over the
         # segments' lengths took 6% of a 64-stream step for this).
@@ -136,6 +129,10 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - (end - start), len(input_ids)))
             elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
+        graphs = self.graphs
+        # Decodes only (a token per segment), each wanting its logits: the captured graph of its size.
+        if graphs is not None and 0 < len(segments) == len(input_ids) == len(logits_indices) <= graphs.max_batch:
+            return graphs.replay(input_ids, positions, slots, [segment.request.block_table for segment in segments])
         position_tensor = self._tensor(positions)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decode_tokens=0, decode_slots=None, decode_mask=None, prefills=[]
@@ -155,17 +152,6 @@ class ModelRunner:
             self._tensor(logits_indices),
             allow_int4=not computes_prompt,
         )
-
-    def _replay(self, graphs: DecodeGraphs, segments: list[Segment]) -> HeadOutput:
-        """A step of decodes only, each wanting its logits: the captured graph of its batch size."""
-        token_ids, positions, slots = array("q"), array("q"), array("q")
-        size = self.block_size
-        for segment in segments:
-            start = segment.start
-            token_ids.append(segment.token_ids[0])
-            positions.append(start)
-            slots.append(segment.request.block_table[start // size] * size + start % size)
-        return graphs.replay(token_ids, positions, slots, [segment.request.block_table for segment in segments])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy the K/V of whole blocks, (source, destination), in every layer."""
@@ -271,10 +257,4 @@ class ModelRunner:
 
     def _table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
         """[len(tables), width]: each table cut or padded with block 0 to `width`."""
-        flat = array("q")
-        for table in tables:
-            row = table[:width]
-            flat.extend(row)
-            if len(row) < width:
-                flat.extend([0] * (width - len(row)))
-        return self._tensor(flat).view(len(tables), width)
+        return self._tensor(flat_block_tables(tables, width)).view(len(tables), width)
