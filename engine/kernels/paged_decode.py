@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.online_softmax import attend_block
+
 
 def supports(block_size: int, head_dim: int) -> bool:
     """Whether this kernel runs these shapes: a cache block of a power of two from 16 tokens (its
@@ -116,24 +118,11 @@ def _paged_decode(
         k = tl.load(
             k_ptr + slots[:, None] * k_slot_stride + kv_head * k_head_stride + dims[None, :], mask=kv_mask, other=0.0
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(inside[None, :], scores * scale, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        rescale = tl.exp(best - new_best)
-        p = tl.exp(scores - new_best[:, None])
-        total = total * rescale + tl.sum(p, 1)
         # Masked slots read as 0, not whatever memory holds: a weight of 0 times a NaN would still be NaN.
         v = tl.load(
             v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :], mask=kv_mask, other=0.0
         )
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        best = new_best
+        best, total, acc = attend_block(q, k, v, inside[None, :], best, total, acc, scale, IEEE)
     out = acc / total[:, None]
     tl.store(
         out_ptr + token * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],

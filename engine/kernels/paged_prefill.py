@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.online_softmax import attend_block
+
 # Rows of a program's query matrix: query tokens times the query heads of one KV head.
 _TILE_ROWS = 64
 
@@ -142,27 +144,13 @@ def _paged_prefill(
         k = tl.load(
             k_ptr + slots[:, None] * k_slot_stride + kv_head * k_head_stride + dims[None, :], mask=kv_mask, other=0.0
         )
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        visible = key_position[None, :] <= position[:, None]
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        # Every row sees key 0 on the first page, so `best` is finite from then on; a row's later
-        # pages with no visible key rescale by exp(0) = 1 and add zeros.
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        rescale = tl.exp(best - new_best)
-        p = tl.exp(scores - new_best[:, None])
-        total = total * rescale + tl.sum(p, 1)
         # Masked slots read as 0, not whatever memory holds: a weight of 0 times a NaN would still be NaN.
         v = tl.load(
             v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :], mask=kv_mask, other=0.0
         )
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        best = new_best
+        # Every row sees key 0 on the first page, so `best` is finite from then on.
+        visible = key_position[None, :] <= position[:, None]
+        best, total, acc = attend_block(q, k, v, visible, best, total, acc, scale, IEEE)
     result = acc / total[:, None]
     tl.store(
         out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],
