@@ -20,7 +20,7 @@ from engine.model.runner import ModelRunner
 from engine.output import OutputProcessor
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampling.grammar import GrammarCompiler, MaskComputer, StepMasks
-from engine.sampling.sampler import Sampler, TokenLogprob
+from engine.sampling.sampler import Sampler, TokenLogprob, device_kernel
 from engine.sampling.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
 from engine.scheduler import Scheduler, StepPlan
 
@@ -130,7 +130,7 @@ class Engine:
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
         if loaded.model.device.type == "cuda" and not config.enforce_eager:
             self._capture_graphs()
-        self.sampler = Sampler(loaded.cpu_kernels)
+        self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()

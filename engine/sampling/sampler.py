@@ -16,7 +16,8 @@ alone, so a seeded request gives the same tokens whoever shares its batch.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import importlib.util
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,16 +49,34 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+# A kernel that draws every row of a step at once: (float32 logits [R, V], requests, positions) → tokens [R].
+DeviceKernel = Callable[[torch.Tensor, Sequence[Request], Sequence[int]], torch.Tensor]
+
+
+def device_kernel(device: torch.device) -> DeviceKernel | None:
+    """The GPU's sampling kernel where it runs: a CUDA device, with Triton (it ships with CUDA
+    PyTorch); None elsewhere."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    from engine.kernels.gpu_sampling import sample_on_device
+
+    return sample_on_device
+
+
 class Sampler:
     """Samples a step's rows; owns a workspace reused across steps, so a step allocates no
     vocabulary-sized buffer (on a CPU each new one costs its page faults).
 
     Given the CPU kernels' library, float32 CPU rows are drawn there instead, in one call
     (engine/kernels/sampling.py): the same distributions without torch's full-vocabulary passes.
+    Given a device kernel (engine/kernels/gpu_sampling.py on a GPU), a step with any sampled row is
+    drawn by it in one launch, where torch's path takes dozens of kernels and waits on the device in
+    each top-p round.
     """
 
-    def __init__(self, kernels: ctypes.CDLL | None = None) -> None:
+    def __init__(self, kernels: ctypes.CDLL | None = None, device: DeviceKernel | None = None) -> None:
         self.kernels = kernels
+        self.device = device
         self._workspace = torch.empty(0)
 
     def sample(
@@ -84,6 +103,10 @@ class Sampler:
             token_ids = sample_on_cpu(
                 self.kernels, processed, requests, [r.num_tokens for r in requests], block_max, maxima_rows
             )
+        elif (
+            self.device is not None and processed.dtype == torch.float32 and any(not r.params.greedy for r in requests)
+        ):
+            token_ids = self.device(processed, requests, [r.num_tokens for r in requests])
         else:
             token_ids = self._sample_with_torch(requests, processed)
         # The one device → host copy of the step's tokens.
