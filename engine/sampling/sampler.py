@@ -342,9 +342,11 @@ def token_logprobs(
     chosen = logprobs.gather(1, torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1))
     k = max(requests[i].params.logprobs for i in rows)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    # Each to the host in one copy: per row, on a GPU, every copy would wait on the device.
+    chosen_values, top_values, top_ids = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
     for j, row in enumerate(rows):
         want = requests[row].params.logprobs
         # Ties in token id order, as argmax breaks them, so a greedy token heads its own list.
-        top = tuple(sorted(zip(top_ids[j, :want].tolist(), top_values[j, :want].tolist()), key=lambda e: (-e[1], e[0])))
-        result[row] = TokenLogprob(token_ids[row], chosen[j, 0].item(), top)
+        top = tuple(sorted(zip(top_ids[j][:want], top_values[j][:want]), key=lambda e: (-e[1], e[0])))
+        result[row] = TokenLogprob(token_ids[row], chosen_values[j], top)
     return result
