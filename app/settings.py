@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     is not given."""
     enforce_eager: bool = False
     """On a GPU, run every step eagerly; by default decode steps replay CUDA graphs captured at start-up, one per
-    batch size (1, 2, 4, 8, then every 16 up to --max-num-seqs), as vLLM's flag."""
+    batch size (1, 2, 4, 8, then every 16 up to --max-num-seqs), as vLLM's flag. Eager decode steps are padded to
+    the same batch sizes, so the outputs are the same either way."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of prompt prefixes seen before (system prompts, resent conversation history);
     --no-enable-prefix-caching turns it off."""

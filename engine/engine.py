@@ -15,6 +15,7 @@ from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from engine.kv_cache import BlockManager
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
+from engine.model.graphs import run_eagerly
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
 from engine.output import OutputProcessor
@@ -55,7 +56,8 @@ class EngineConfig:
     # the most of the pool pins may hold (the oldest pin goes first past it).
     pinned_kv_seconds: float = 300.0
     max_pinned_kv_fraction: float = 0.25
-    # On a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up.
+    # On a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up (still
+    # padded to the graphs' batch buckets, so they compute what the graphs would).
     enforce_eager: bool = False
 
 
@@ -128,7 +130,7 @@ class Engine:
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
-        if loaded.model.device.type == "cuda" and not config.enforce_eager:
+        if loaded.model.device.type == "cuda":
             self._capture_graphs()
         self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
@@ -155,13 +157,20 @@ class Engine:
         self._stats = self._snapshot(alive=False)
 
     def _capture_graphs(self) -> None:
+        eager = self.config.enforce_eager
         try:
-            captured = self.runner.capture_decode_graphs(self.config.max_num_seqs, self.config.max_model_len)
+            captured = self.runner.capture_decode_graphs(
+                self.config.max_num_seqs, self.config.max_model_len, capture=run_eagerly if eager else None
+            )
         except Exception as exc:
+            if eager:
+                raise
             raise RuntimeError(
                 "capturing the decode steps as CUDA graphs failed; --enforce-eager runs without them"
             ) from exc
-        if not captured:
+        if captured and eager:
+            logger.info("CUDA graphs off (--enforce-eager): decode steps run eagerly, padded to the graphs' buckets")
+        elif not captured:
             logger.info(
                 "CUDA graphs off: they need the Triton paged decode kernel (a cache block of 16 or more) and no int4"
             )

@@ -10,6 +10,10 @@ Every input lives in a static device buffer the graphs read: a step fills the fi
 (one copy for the token ids, positions, slots and context lengths, one for the block tables) and
 replays. Decode attention runs on the Triton paged kernel, whose grid and shapes are fixed per bucket.
 Steps with a prompt chunk or a verification, and steps larger than the largest bucket, run eagerly.
+
+With --enforce-eager nothing is captured (`run_eagerly`): a decode step still goes through the static
+buffers padded to its bucket, and runs the same kernels at the same shapes as the graph would, so it
+computes the graph's logits bit for bit, only without the saving of one launch for all.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     """The batch sizes captured: 1, 2, 4, 8, then every 16 up to max_num_seqs, and max_num_seqs."""
     small = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
     return [*small, *range(16, max_num_seqs, 16), max_num_seqs]
+
+
+def run_eagerly(forward: Callable[[], HeadOutput]) -> Replay:
+    """The capture of --enforce-eager: none; each replay runs the bucket's forward."""
+    return forward
 
 
 class CudaGraphCapture:
@@ -92,12 +101,13 @@ class DecodeGraphs:
             (self.max_batch, -(-max_model_len // block_size)), scratch_block, dtype=torch.long, device=device
         )
         self.logits_indices = torch.arange(self.max_batch, device=device)
+        captures = capture is None
         capture = capture or CudaGraphCapture()
         started, free_before = time.perf_counter(), self._free_memory()
         self._replays: dict[int, Replay] = {}
         for bucket in reversed(self.buckets):
             self._replays[bucket] = capture(lambda bucket=bucket: self._forward(bucket))
-        if device.type == "cuda":
+        if captures:
             logger.info(
                 "CUDA graphs: %d batch sizes up to %d captured in %.1f s, %.0f MiB of GPU memory",
                 len(self.buckets),

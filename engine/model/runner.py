@@ -63,8 +63,9 @@ class ModelRunner:
     def capture_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, capture: Callable[[Callable[[], HeadOutput]], Replay] | None = None
     ) -> bool:
-        """Capture decode steps of up to max_num_seqs requests as CUDA graphs (or with `capture`); whether
-        they were: they need the GPU's paged decode kernel and full-precision weights."""
+        """Capture decode steps of up to max_num_seqs requests as CUDA graphs (or with `capture`:
+        graphs.run_eagerly runs them eagerly, padded alike); whether they were: they need the GPU's paged
+        decode kernel and full-precision weights."""
         if self.gpu_attention is None or self.model.int4_max_tokens or self.model.kernels is not None:
             return False
         self.graphs = DecodeGraphs(

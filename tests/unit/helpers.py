@@ -57,9 +57,10 @@ def tiny_loaded(
     vocab_size: int = TINY_VOCAB,
     kernels: bool = False,
     device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> LoadedModel:
     """`kernels`: run on the batch-invariant kernels, as a server does by default."""
-    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size).to(device)
+    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size).to(device=device, dtype=dtype)
     model = PagedCausalLM(hf)
     if kernels:
         use_invariant_kernels(model, hf, CACHE_DIR)

@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="graphs replay the Triton paged decode kern
 from engine.channel import StreamChannel  # noqa: E402
 from engine.engine import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
-from engine.model.graphs import batch_buckets  # noqa: E402
+from engine.model.graphs import batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
 from engine.request import FinishReason, SamplingParams  # noqa: E402
 from tests.unit.helpers import (  # noqa: E402
@@ -42,8 +42,10 @@ def _recording_capture(sizes):
     """A stand-in for CudaGraphCapture: each replay runs the bucket's static forward and notes its rows."""
 
     def capture(forward):
+        run = run_eagerly(forward)
+
         def replay():
-            output = forward()
+            output = run()
             sizes.append(output.logits.shape[0])
             return output
 
@@ -153,12 +155,15 @@ async def test_a_preemption_between_replays_recomputes_the_same_tokens(default_t
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_tokenizer):
-    """Float32: a batch the size of its bucket runs the very kernels the graph recorded, so its logits
-    are identical; a padded batch may get other GEMM kernels for its other row count, so close."""
+    """Float32. Eager through the same padded buckets (--enforce-eager) runs the very kernels the graph
+    recorded, at the same shapes: identical logits at every batch size. Eager without the padding is
+    identical at bucket sizes; between them it may get other GEMM kernels for its other row count, so close."""
     loaded = tiny_loaded(default_tokenizer, device="cuda")
     runner = ModelRunner(loaded.model, num_blocks=64, block_size=16)
     for storage in (runner.kv_cache.key, runner.kv_cache.value):
         storage.normal_()
+    assert runner.capture_decode_graphs(max_num_seqs=20, max_model_len=256, capture=run_eagerly)
+    padded_eager = runner.graphs
     assert runner.capture_decode_graphs(max_num_seqs=20, max_model_len=256)
     graphs = runner.graphs
     rng = random.Random(5)
@@ -170,6 +175,8 @@ def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_toke
             start = rng.randrange(0, 8 * 16)
             segments.append(Segment(request, start, [rng.randrange(1, 500)], Logits.LAST))
         replayed = runner.run(segments).logits.clone()
+        runner.graphs = padded_eager
+        assert torch.equal(runner.run(segments).logits, replayed), n
         runner.graphs = None
         eager = runner.run(segments).logits
         runner.graphs = graphs
@@ -177,6 +184,31 @@ def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_toke
             assert torch.equal(replayed, eager), n
         else:
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+async def test_enforce_eager_gives_the_graphs_tokens_in_bfloat16(default_tokenizer):
+    """bfloat16, where rounding differences would show soon: 16 streams of different lengths, so the
+    batch shrinks through the buckets, give the same greedy tokens with graphs and with --enforce-eager."""
+    loaded = tiny_loaded(default_tokenizer, device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 400) for _ in range(rng.randint(3, 40))] for _ in range(16)]
+
+    async def tokens(enforce_eager):
+        engine = tiny_engine(loaded, block_size=16, max_num_seqs=16, enforce_eager=enforce_eager)
+        engine.start()
+        try:
+            results = await asyncio.gather(
+                *[
+                    collect(engine, p, SamplingParams(max_tokens=8 + 2 * i, temperature=0.0))
+                    for i, p in enumerate(prompts)
+                ]
+            )
+        finally:
+            engine.shutdown()
+        return [tokens_of(chunks) for chunks in results]
+
+    assert await tokens(enforce_eager=True) == await tokens(enforce_eager=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
