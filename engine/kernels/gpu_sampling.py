@@ -68,6 +68,7 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request], position
         BLOCK=BLOCK,
         TILE_BLOCKS=_TILE_BLOCKS,
         MAX_ROUNDS=MAX_ROUNDS,
+        WORDS=_WORDS,
     )
     return tokens
 
@@ -182,15 +183,16 @@ def _sample(
     BLOCK: tl.constexpr,
     TILE_BLOCKS: tl.constexpr,
     MAX_ROUNDS: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     row = logits_ptr + r * row_stride
-    inverse_t = tl.load(floats_ptr + r * 2 * 5)
-    top_p = tl.load(floats_ptr + r * 2 * 5 + 1)
-    min_p = tl.load(floats_ptr + r * 2 * 5 + 2)
-    top_k = tl.load(words_ptr + r * 5 + 2)
-    key = tl.load(words_ptr + r * 5 + 3).to(tl.uint64, bitcast=True)
-    position = tl.load(words_ptr + r * 5 + 4).to(tl.uint64)
+    inverse_t = tl.load(floats_ptr + r * 2 * WORDS)
+    top_p = tl.load(floats_ptr + r * 2 * WORDS + 1)
+    min_p = tl.load(floats_ptr + r * 2 * WORDS + 2)
+    top_k = tl.load(words_ptr + r * WORDS + 2)
+    key = tl.load(words_ptr + r * WORDS + 3).to(tl.uint64, bitcast=True)
+    position = tl.load(words_ptr + r * WORDS + 4).to(tl.uint64)
 
     # The max, and where it first is (a greedy row's token, ties to the lowest id as torch's argmax).
     offsets = tl.arange(0, TILE_BLOCKS * BLOCK)
