@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -108,6 +109,17 @@ def sweep(base: str, model: str | None, args: argparse.Namespace, count_tokens) 
     return {c: asyncio.run(serve.level(base, model, c, args, count_tokens)) for c in args.concurrency}
 
 
+def show_start_up_logs() -> None:
+    """Print the in-process engine's start-up lines: the KV cache's sizing (with what it set aside for
+    CUDA graphs) and the graphs' capture time and memory, to set against each other."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    for name in ("engine", "app.state"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+
+
 def run_shape(name: str, args: argparse.Namespace, count_tokens) -> dict:
     folder = shape_folder(name, args.cache_dir)
     flags = f"--model {folder} --max-num-seqs {max(args.concurrency)} {args.flags}"
@@ -116,6 +128,11 @@ def run_shape(name: str, args: argparse.Namespace, count_tokens) -> dict:
     proc, base = serve.spawn(flags)
     try:
         layers = hostcost.run_levels(args, settings, base, proc.pid)
+        if torch.cuda.is_available():
+            # Weights, KV cache, graphs and the largest step's activations of the in-process engine.
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            print(f"peak GPU memory allocated by the in-process engine: {peak:.2f} GiB", flush=True)
+            torch.cuda.reset_peak_memory_stats()
         sluice = sweep(base, None, args, count_tokens)
     finally:
         proc.terminate()
@@ -175,6 +192,7 @@ def main() -> None:
     # What the layering and the sweep read besides the flags above: greedy, fixed-length outputs.
     args.temperature, args.top_p, args.ignore_eos = 0.0, 1.0, True
     torch.set_grad_enabled(False)
+    show_start_up_logs()
     count_tokens = serve.load_tokenizer(None)
     results = {name: run_shape(name, args, count_tokens) for name in args.shapes}
     out = Path(args.out)
