@@ -2,7 +2,7 @@
 
 Without a GPU nothing can be captured: the "capture" given to the runner is the static forward itself,
 run at each replay, so these tests check everything around torch.cuda.graph (the buffers filled in
-place, the bucket padding, the scratch block) through Triton's interpreter. On CUDA the last test
+place, the bucket padding, the scratch block) through Triton's interpreter. On CUDA every test
 captures real graphs."""
 
 import asyncio
@@ -17,7 +17,7 @@ pytest.importorskip("triton", reason="graphs replay the Triton paged decode kern
 from engine.channel import StreamChannel  # noqa: E402
 from engine.engine import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
-from engine.model.graphs import batch_buckets, run_eagerly  # noqa: E402
+from engine.model.graphs import CudaGraphCapture, batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
 from engine.request import FinishReason, SamplingParams  # noqa: E402
 from tests.unit.helpers import (  # noqa: E402
@@ -39,10 +39,12 @@ def _kernels(model):
 
 
 def _recording_capture(sizes):
-    """A stand-in for CudaGraphCapture: each replay runs the bucket's static forward and notes its rows."""
+    """The runner's capture, noting the rows of each replay: on CUDA real graphs; elsewhere the bucket's
+    static forward run at each replay (run_eagerly)."""
+    inner = CudaGraphCapture() if torch.cuda.is_available() else run_eagerly
 
     def capture(forward):
-        run = run_eagerly(forward)
+        run = inner(forward)
 
         def replay():
             output = run()
@@ -75,6 +77,8 @@ async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_toke
     async def run(replayed):
         engine = tiny_engine(loaded, block_size=16, max_num_seqs=12)
         engine.runner.gpu_attention = _kernels(loaded.model)
+        # On CUDA the engine has captured graphs of its own: the eager run drops them.
+        engine.runner.graphs = None
         if replayed is not None:
             assert engine.runner.capture_decode_graphs(12, 1024, capture=_recording_capture(replayed))
         engine.start()
@@ -132,6 +136,7 @@ async def test_a_preemption_between_replays_recomputes_the_same_tokens(default_t
     async def run(replayed):
         engine = tiny_engine(loaded, block_size=16, max_num_seqs=4, num_kv_blocks=8)
         engine.runner.gpu_attention = _kernels(loaded.model)
+        engine.runner.graphs = None
         if replayed is not None:
             engine.runner.capture_decode_graphs(4, 1024, capture=_recording_capture(replayed))
         engine.start()
