@@ -108,7 +108,7 @@ def test_the_bisected_nucleus_keeps_the_right_tokens_in_proportion(monkeypatch):
     assert float(((counts[:3] - expected) ** 2 / expected).sum()) < 13.8
 
 
-async def test_an_engine_sampling_on_the_device_gives_the_cpu_paths_tokens(default_tokenizer):
+async def test_an_engine_sampling_on_the_device_gives_torch_s_tokens(default_tokenizer):
     """The engine's wiring: each row drawn at its request's position, the step's rows in one launch."""
     loaded = tiny_loaded(default_tokenizer, device=DEVICE)
     prompts = [[5, 9, 13], list(range(20, 60)), [7] * 15]
@@ -116,8 +116,7 @@ async def test_an_engine_sampling_on_the_device_gives_the_cpu_paths_tokens(defau
 
     async def tokens(device_kernel):
         engine = tiny_engine(loaded)
-        if device_kernel:
-            engine.sampler = Sampler(device=gpu_sampling.sample_on_device)
+        engine.sampler = Sampler(device=gpu_sampling.sample_on_device if device_kernel else None)
         engine.start()
         try:
             params = [SamplingParams(max_tokens=12, ignore_eos=True, **s) for s in settings]
