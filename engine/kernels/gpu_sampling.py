@@ -30,9 +30,8 @@ import triton.language as tl
 from engine.kernels.invariant import BLOCK
 from engine.kernels.sampling import row_settings
 from engine.request import Request
+from engine.sampling.sampler import MAX_REJECTION_ROUNDS
 
-# Rejection rounds before a row's nucleus is found another way, as in the CPU kernel and torch's path.
-MAX_ROUNDS = 16
 # Cache blocks of the vocabulary one pass loads at a time.
 _TILE_BLOCKS = 8
 # Per row, as int64 words: row_settings' three (1 / temperature, top_p and min_p as float32, then
@@ -67,7 +66,7 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request], position
         NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(vocab, BLOCK)),
         BLOCK=BLOCK,
         TILE_BLOCKS=_TILE_BLOCKS,
-        MAX_ROUNDS=MAX_ROUNDS,
+        MAX_ROUNDS=MAX_REJECTION_ROUNDS,
         WORDS=_WORDS,
     )
     return tokens

@@ -84,11 +84,11 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
         assert on_device(batch, torch.cat([torch.randn(7, 1000, generator=generator), logits]))[-1] == alone
 
 
-@pytest.mark.parametrize("rounds", [1, gpu_sampling.MAX_ROUNDS])
+@pytest.mark.parametrize("rounds", [1, gpu_sampling.MAX_REJECTION_ROUNDS])
 def test_the_nucleus_of_near_ties_is_the_best_token(monkeypatch, rounds):
     """Distinct weights within 1% of each other and top_p 1e-6: rejection drops about half a row a
     round, so rows reach the bisection for the nucleus's floor (every row with one round)."""
-    monkeypatch.setattr(gpu_sampling, "MAX_ROUNDS", rounds)
+    monkeypatch.setattr(gpu_sampling, "MAX_REJECTION_ROUNDS", rounds)
     logits = torch.linspace(0.0, 0.01, 4096)[torch.randperm(4096, generator=torch.Generator().manual_seed(3))]
     requests = [request(temperature=1.0, top_p=1e-6, seed=i) for i in range(6)]
     assert on_device(requests, logits.repeat(6, 1)) == [int(logits.argmax())] * 6
@@ -97,7 +97,7 @@ def test_the_nucleus_of_near_ties_is_the_best_token(monkeypatch, rounds):
 def test_the_bisected_nucleus_keeps_the_right_tokens_in_proportion(monkeypatch):
     """With one rejection round most rows find their nucleus by bisection. 5 tiers of 8 tokens with
     masses 1/3, 4/15, 1/5, 2/15, 1/15: top_p 0.7 keeps tiers 0-2, drawn in proportion 5 : 4 : 3."""
-    monkeypatch.setattr(gpu_sampling, "MAX_ROUNDS", 1)
+    monkeypatch.setattr(gpu_sampling, "MAX_REJECTION_ROUNDS", 1)
     tiers = torch.arange(40) // 8
     logits = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0])[tiers].log().repeat(300, 1)
     requests = [request(temperature=1.0, top_p=0.7, seed=i) for i in range(300)]
