@@ -13,6 +13,7 @@ from typing import Literal
 
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from engine.future_tokens import FutureTokens, InFlightStep
 from engine.kv_cache import BlockManager
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import run_eagerly
@@ -133,6 +134,11 @@ class Engine:
         if loaded.model.device.type == "cuda":
             self._capture_graphs()
         self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))
+        # Overlapped steps, where the forward runs apart from this thread: on a GPU. (On a CPU the
+        # forward is this thread's own work, and there is nothing to overlap it with.)
+        on_gpu = loaded.model.device.type == "cuda"
+        self.future = FutureTokens(config.max_num_seqs, loaded.model.device) if on_gpu else None
+        self._in_flight: InFlightStep | None = None
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()
@@ -262,6 +268,7 @@ class Engine:
                 worked = self.step()
             except Exception as exc:  # noqa: BLE001 - any step failure must end streams, not the engine
                 logger.exception("engine step failed; ending all live requests")
+                self._in_flight = None
                 self._fail_all(f"engine step failed: {exc}")
             self.output.flush()
             self._stats = self._snapshot(alive=True)
@@ -292,13 +299,24 @@ class Engine:
 
     def step(self) -> bool:
         """Observe cancels, propose, schedule, forward, sample or verify, then push at most one
-        chunk per choice. Returns whether anything was computed."""
+        chunk per choice. Returns whether anything was computed.
+
+        With overlapped steps (a GPU), a step of plain requests is launched and left in flight: the
+        next call schedules and launches the step after it first, then streams this one's tokens."""
         self._reap_cancelled()
-        proposals = self._propose()
+        if self._in_flight is not None and not self._can_overlap():
+            self._complete(self._in_flight)
+        proposals = self._propose() if self._in_flight is None else {}
         plan = self.scheduler.schedule({key: p.token_ids for key, p in proposals.items()})
         self._num_paused = plan.num_paused
         if plan.is_empty:
-            return False
+            if self._in_flight is None:
+                return False
+            self._complete(self._in_flight)
+            return True
+        if self.future is not None and not plan.proposals and all(r.overlappable for r, _ in plan.scheduled):
+            self._launch(plan)
+            return True
         pending_masks = self._start_masks(plan)
         try:
             samplers, head = self.runner.execute(plan)
@@ -312,6 +330,52 @@ class Engine:
         outputs = self._sample(plan, proposals, samplers, row_starts, head, masks)
         forced = self._advance_constraints(samplers, outputs)
         kept = self.scheduler.postprocess(plan, {key: tokens for key, (tokens, _) in outputs.items()}, forced)
+        self._emit(kept, outputs)
+        self._num_steps += 1
+        return True
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the step in flight hands its tokens back: it
+        admits no one (admission and preemption read and reset whole requests), speculates for no one
+        (proposals read the output), every running request is plain, and no decode can lack a block."""
+        scheduler, spec = self.scheduler, self.config.speculative
+        running = scheduler.running
+        return (
+            not scheduler.waiting
+            and not self._fault_pending
+            and (self.proposer is None or spec is None or len(running) > spec.max_batch_size)
+            and self.block_manager.can_allocate(len(running))
+            and all(r.overlappable for r in running)
+        )
+
+    def _launch(self, plan: StepPlan) -> None:
+        """Run a step of plain requests without waiting for its tokens: each sampler gets a placeholder,
+        and the step launched before it (if any) is completed once this one is on its way."""
+        future = self.future
+        samplers, head = self.runner.execute(plan, future.resolve if self._in_flight is not None else None)
+        if self._fault_pending:
+            self._fault_pending = False
+            raise _InjectedFault("injected fault")
+        tokens = self.sampler.tokens(samplers, head.logits, block_max=head.block_max)
+        self.scheduler.launched(plan)
+        positions = [request.num_tokens for request in samplers]
+        for request, placeholder in zip(samplers, future.publish(tokens)):
+            request.token_ids.append(placeholder)
+            request.num_pending += 1
+        host_tokens, ready = future.to_host(tokens)
+        previous, self._in_flight = self._in_flight, InFlightStep(plan, samplers, positions, host_tokens, ready)
+        if previous is not None:
+            self._complete(previous)
+
+    def _complete(self, step: InFlightStep) -> None:
+        """Take a launched step's tokens off the device and stream them."""
+        if step is self._in_flight:
+            self._in_flight = None
+        kept = self.scheduler.complete(step.plan, step.samplers, step.positions, self.future.read(step))
+        self._emit(kept, None)
+        self._num_steps += 1
+
+    def _emit(self, kept: list[tuple[Request, list[int]]], outputs: dict[int, tuple[list[int], list]] | None) -> None:
         now = time.monotonic()
         for request, token_ids in kept:
             if request.first_token_time is None:
@@ -321,9 +385,7 @@ class Engine:
                 self.scheduler.free(request)
                 self.output.end(request, RequestStatus.FINISHED_CANCELLED)
                 continue
-            self.output.emit(request, token_ids, outputs[id(request)][1][: len(token_ids)])
-        self._num_steps += 1
-        return True
+            self.output.emit(request, token_ids, outputs[id(request)][1][: len(token_ids)] if outputs else [])
 
     def _propose(self) -> dict[int, Proposal]:
         """Proposals for running decodes, by id(request); none above the batch-size cut-off."""

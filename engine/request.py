@@ -141,6 +141,11 @@ class Request:
     constraint: Constraint | None = None
     # params packed for the CPU sampler kernel (engine/kernels/sampling.py), made at the first sampled step.
     kernel_settings: bytes = field(init=False, default=b"")
+    # Overlapped steps (engine/future_tokens.py): how many of token_ids' last entries are placeholders for
+    # tokens still on the device, and whether this request may take part at all: its sampling reads
+    # nothing of its output on the host (no grammar, penalties or logprobs) and it forks no choices.
+    num_pending: int = field(init=False, default=0)
+    overlappable: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -149,6 +154,10 @@ class Request:
         if not self.params.greedy:
             # Each choice of a seeded request gets its own reproducible draws.
             self.rng_key = request_key(self.params.seed, self.index)
+        params = self.params
+        self.overlappable = (
+            self.constraint is None and not params.penalized and params.logprobs is None and params.n == 1
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

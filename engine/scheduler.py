@@ -89,6 +89,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if request.num_pending and self._reaches_length(request):
+                continue  # its token on the device is its last (overlapped steps)
             if request.channel.unread_tokens >= self.max_unread_tokens:
                 plan.num_paused += 1
                 request.was_paused = True
@@ -180,7 +182,7 @@ class Scheduler:
                 request.token_ids.append(token_id)
                 if self.is_stop_token(request, token_id):
                     request.finish(RequestStatus.FINISHED_STOPPED)
-                elif request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
+                elif self._reaches_length(request):
                     request.finish(RequestStatus.FINISHED_LENGTH)
                 elif count == len(token_ids) and request.constraint is not None and request.constraint.done:
                     # The grammar allows nothing more: the output is complete.
@@ -192,6 +194,42 @@ class Scheduler:
             else:
                 kept.append((request, list(token_ids)))
         return kept
+
+    def launched(self, plan: StepPlan) -> None:
+        """Advance the counters of a step launched without waiting for its tokens (overlapped steps):
+        its tokens are placeholders until complete()."""
+        for request, num_new in plan.scheduled:
+            request.num_computed_tokens += num_new
+
+    def complete(
+        self, plan: StepPlan, samplers: list[Request], positions: list[int], token_ids: list[int]
+    ) -> list[tuple[Request, list[int]]]:
+        """postprocess() for a step launched earlier: put each sampler's token in place of its
+        placeholder at `positions`, register the blocks and latch finishes. Requests that finished
+        meanwhile (cancelled, or a stop the step before found) are skipped, their tokens dropped."""
+        kept: list[tuple[Request, list[int]]] = []
+        for request, position, token_id in zip(samplers, positions, token_ids):
+            if request.is_finished:
+                continue
+            request.token_ids[position] = token_id
+            request.num_pending -= 1
+            if self.is_stop_token(request, token_id):
+                request.finish(RequestStatus.FINISHED_STOPPED)
+            elif request.num_output_tokens - request.num_pending >= request.params.max_tokens or (
+                position + 1 >= self.max_model_len
+            ):
+                request.finish(RequestStatus.FINISHED_LENGTH)
+            if request.is_finished:
+                self.free(request)
+            kept.append((request, [token_id]))
+        for request, _ in plan.scheduled:
+            if not request.is_finished:
+                self.block_manager.register(request)
+        return kept
+
+    def _reaches_length(self, request: Request) -> bool:
+        """Whether the request's tokens so far are as many as it may have."""
+        return request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len
 
     def is_stop_token(self, request: Request, token_id: int) -> bool:
         """Whether `token_id` ends `request`: eos (unless ignore_eos) or one of its stop_token_ids."""
@@ -212,6 +250,12 @@ class Scheduler:
     def free(self, request: Request) -> None:
         """Drop a finished request from the queues and return its KV blocks (pinning them first
         when it completed and asked to keep them)."""
+        if request.num_pending:
+            # A token still on the device is not its output. The K/V of the tokens before it (being
+            # computed in stream order, ahead of any later use of the blocks) stay valid to cache.
+            del request.token_ids[-request.num_pending :]
+            request.num_pending = 0
+            self.block_manager.register(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from engine.kernels.invariant import BLOCK
 from engine.kernels.sampling import row_settings
+from engine.model.uploads import upload
 from engine.request import Request
 from engine.sampling.sampler import MAX_REJECTION_ROUNDS
 
@@ -48,7 +49,7 @@ def sample_on_device(logits: torch.Tensor, requests: Sequence[Request], position
     settings = torch.frombuffer(bytearray(b"".join([row_settings(r) for r in requests])), dtype=torch.int64)
     keys = torch.frombuffer(array("Q", [r.rng_key for r in requests]), dtype=torch.int64)
     host = torch.cat([settings.view(rows, 3), keys.view(rows, 1), torch.tensor(positions).view(rows, 1)], dim=1)
-    words = host.to(logits.device)
+    words = upload(host, logits.device)
     top_k = max((min(r.params.top_k, vocab) for r in requests), default=0)
     # The k-th largest logit of a top-k row is its value at column k - 1 (the kernel reads it there).
     largest = logits.topk(top_k, dim=-1).values if top_k > 0 else logits

@@ -28,6 +28,7 @@ import torch
 from engine.kv_cache import KVCache, flat_block_tables
 from engine.model.attention import AttentionMetadata, GpuAttention, PagedDecode
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
+from engine.model.uploads import upload_into
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,16 @@ class DecodeGraphs:
                 (free_before - self._free_memory()) / 2**20,
             )
 
-    def replay(self, token_ids: array, positions: array, slots: array, tables: list[list[int]]) -> HeadOutput:
-        """The logits [n, V] of n decodes (n <= max_batch): the i-th reads its context through tables[i]."""
+    def replay(
+        self,
+        token_ids: array,
+        positions: array,
+        slots: array,
+        tables: list[list[int]],
+        resolve: Callable[[torch.Tensor], None] | None = None,
+    ) -> HeadOutput:
+        """The logits [n, V] of n decodes (n <= max_batch): the i-th reads its context through tables[i].
+        `resolve` replaces the placeholders among the token ids on the device (engine/future_tokens.py)."""
         num_decodes = len(token_ids)
         bucket = next(size for size in self.buckets if size >= num_decodes)
         pad = bucket - num_decodes
@@ -125,10 +134,12 @@ class DecodeGraphs:
         for column, padding in zip((token_ids, positions, slots, [p + 1 for p in positions]), self._padding):
             host.extend(column)
             host.extend([padding] * pad)
-        self.inputs[:, :bucket].copy_(torch.frombuffer(host, dtype=torch.long).view(4, bucket))
+        upload_into(self.inputs[:, :bucket], torch.frombuffer(host, dtype=torch.long).view(4, bucket))
+        if resolve is not None:
+            resolve(self.inputs[0, :bucket])
         width = max(-(-(p + 1) // self.block_size) for p in positions)
         flat = flat_block_tables([*tables, *[[]] * pad], width, pad=self.scratch_block)
-        self.block_tables[:bucket, :width].copy_(torch.frombuffer(flat, dtype=torch.long).view(bucket, width))
+        upload_into(self.block_tables[:bucket, :width], torch.frombuffer(flat, dtype=torch.long).view(bucket, width))
         return HeadOutput(self.launch(bucket).logits[:num_decodes])
 
     def launch(self, bucket: int) -> HeadOutput:

@@ -14,6 +14,7 @@ from engine.kv_cache import KVCache, flat_block_tables
 from engine.model.attention import AttentionMetadata, PagedDecode, PagedPrefill, PrefillChunk, gpu_attention
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import DecodeGraphs, Replay
+from engine.model.uploads import upload
 from engine.request import Request
 from engine.scheduler import StepPlan
 
@@ -80,9 +81,13 @@ class ModelRunner:
         )
         return True
 
-    def execute(self, plan: StepPlan) -> tuple[list[Request], HeadOutput]:
+    def execute(
+        self, plan: StepPlan, resolve: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[list[Request], HeadOutput]:
         """Run one forward; return the requests that sample this step and their logits rows
-        (one each, or one per proposal plus one for a request verifying proposals)."""
+        (one each, or one per proposal plus one for a request verifying proposals). `resolve`
+        replaces on the device the placeholders of tokens an earlier step has not handed back yet
+        (engine/future_tokens.py)."""
         segments: list[Segment] = []
         samplers: list[Request] = []
         for request, num_new in sorted(plan.scheduled, key=lambda entry: entry[1] > 1):
@@ -97,9 +102,9 @@ class ModelRunner:
                 samplers.append(request)
             else:
                 segments.append(Segment(request, start, request.token_ids[start : start + num_new], Logits.NONE))
-        return samplers, self.run(segments)
+        return samplers, self.run(segments, resolve)
 
-    def run(self, segments: list[Segment]) -> HeadOutput:
+    def run(self, segments: list[Segment], resolve: Callable[[torch.Tensor], None] | None = None) -> HeadOutput:
         """One forward over `segments` (single-token ones first); logits rows in segment order.
 
         Each segment's tokens sit at positions start, start + 1, ... of its request and
@@ -130,10 +135,13 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - (end - start), len(input_ids)))
             elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
+        if resolve is not None and min(input_ids, default=0) >= 0:
+            resolve = None
         graphs = self.graphs
         # Decodes only (a token per segment), each wanting its logits: the captured graph of its size.
         if graphs is not None and 0 < len(segments) == len(input_ids) == len(logits_indices) <= graphs.max_batch:
-            return graphs.replay(input_ids, positions, slots, [segment.request.block_table for segment in segments])
+            tables = [segment.request.block_table for segment in segments]
+            return graphs.replay(input_ids, positions, slots, tables, resolve)
         position_tensor = self._tensor(positions)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decode_tokens=0, decode_slots=None, decode_mask=None, prefills=[]
@@ -145,8 +153,11 @@ class ModelRunner:
         # Prompt tokens always get the full-precision weights, so a prompt's K/V and first token
         # never depend on the prefix cache or on what else is in the step.
         computes_prompt = any(s.start < s.request.num_prompt_tokens for s in segments)
+        input_tensor = self._tensor(input_ids)
+        if resolve is not None:
+            resolve(input_tensor)
         return self.model.forward(
-            self._tensor(input_ids),
+            input_tensor,
             position_tensor,
             meta,
             self.kv_cache,
@@ -254,7 +265,7 @@ class ModelRunner:
             values = array("q", values)
         if not values:
             return torch.empty(0, dtype=torch.long, device=self.device)
-        return torch.frombuffer(values, dtype=torch.long).to(self.device)
+        return upload(torch.frombuffer(values, dtype=torch.long), self.device)
 
     def _table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
         """[len(tables), width]: each table cut or padded with block 0 to `width`."""

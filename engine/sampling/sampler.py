@@ -91,6 +91,18 @@ class Sampler:
         to the tokens their grammar allows (logprobs still describe the model's own scores).
         `block_max`, the largest logit of each BLOCK-token block per row as the output head's
         kernel found it, spares the CPU kernel its pass for each row's max."""
+        # The one device → host copy of the step's tokens.
+        ids = self.tokens(requests, logits, mask, block_max).tolist()
+        return SamplerOutput(ids, token_logprobs(requests, logits, ids))
+
+    def tokens(
+        self,
+        requests: Sequence[Request],
+        logits: torch.Tensor,
+        mask: RowMask | None = None,
+        block_max: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """sample()'s tokens [R] as a tensor where the logits are, without waiting for them on a GPU."""
         processed = apply_penalties(requests, logits)
         if mask is not None:
             processed = mask.apply(processed)
@@ -109,9 +121,7 @@ class Sampler:
             token_ids = self.device(processed, requests, [r.num_tokens for r in requests])
         else:
             token_ids = self._sample_with_torch(requests, processed)
-        # The one device → host copy of the step's tokens.
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, token_logprobs(requests, logits, ids))
+        return token_ids
 
     def _sample_with_torch(self, requests: Sequence[Request], processed: torch.Tensor) -> torch.Tensor:
         """The step's tokens on torch's kernels: an argmax for greedy rows, sample_rows for the rest."""

@@ -1,0 +1,27 @@
+"""Host → GPU copies that do not make the engine thread wait for the GPU.
+
+PyTorch's blocking host → device copy synchronizes the stream: the thread waits until the GPU has run
+everything queued before the copy. With a step in flight (engine/future_tokens.py) the next step's
+inputs would then wait for the whole forward before them, and the steps would not overlap at all.
+From pinned memory the copy is queued like a kernel and the thread goes on; PyTorch's pinned-memory
+cache keeps each staging buffer until the copy that reads it has run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`; on a GPU, queued without waiting."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def upload_into(target: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy `host` into the device tensor `target`; on a GPU, queued without waiting."""
+    if target.device.type != "cuda":
+        target.copy_(host)
+        return
+    target.copy_(host.pin_memory(), non_blocking=True)
