@@ -131,14 +131,15 @@ class Engine:
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
-        if loaded.model.device.type == "cuda":
-            self._capture_graphs()
-        self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))
         # Overlapped steps, where the forward runs apart from this thread: on a GPU. (On a CPU the
         # forward is this thread's own work, and there is nothing to overlap it with.)
         on_gpu = loaded.model.device.type == "cuda"
         self.future = FutureTokens(config.max_num_seqs, loaded.model.device) if on_gpu else None
         self._in_flight: InFlightStep | None = None
+        if on_gpu:
+            self.runner.placeholders = self.future.buffer
+            self._capture_graphs()
+        self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
         self._inbox: queue.SimpleQueue[Request | object] = queue.SimpleQueue()

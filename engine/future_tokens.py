@@ -55,8 +55,7 @@ class FutureTokens:
 
     def resolve(self, token_ids: torch.Tensor) -> None:
         """Replace, in place, every placeholder of `token_ids` (a device tensor) by its token."""
-        entries = token_ids.neg().sub_(1).clamp_(min=0)
-        token_ids.copy_(torch.where(token_ids < 0, self.buffer[entries], token_ids))
+        token_ids.copy_(resolved(token_ids, self.buffer))
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start the tokens' copy to the host without waiting for it (pinned memory on a GPU)."""
@@ -75,3 +74,9 @@ class FutureTokens:
         if step.ready is not None:
             step.ready.synchronize()
         return step.host_tokens.tolist()
+
+
+def resolved(token_ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """`token_ids` with each placeholder replaced by its token from `buffer`, on the device: no wait,
+    and the same few kernels whatever the ids, so it can be captured in a CUDA graph."""
+    return torch.where(token_ids < 0, buffer[token_ids.neg().sub(1).clamp(min=0)], token_ids)

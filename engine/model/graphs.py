@@ -7,9 +7,12 @@ replays them all in one launch. Batch sizes are bucketed (1, 2, 4, 8, then steps
 cache block of their own, outside the pool, so they touch no request's K/V.
 
 Every input lives in a static device buffer the graphs read: a step fills the first rows in place
-(one copy for the token ids, positions, slots and context lengths, one for the block tables) and
-replays. Decode attention runs on the Triton paged kernel, whose grid and shapes are fixed per bucket.
-Steps with a prompt chunk or a verification, and steps larger than the largest bucket, run eagerly.
+(one copy for the token ids, positions, slots and context lengths, one for the block tables, both
+queued from pinned staging memory without waiting for the GPU) and replays. With overlapped steps
+(engine/future_tokens.py) token ids may be placeholders for tokens still on the device: the graph's
+first kernels replace them from the buffer they were published to. Decode attention runs on the
+Triton paged kernel, whose grid and shapes are fixed per bucket. Steps with a prompt chunk or a
+verification, and steps larger than the largest bucket, run eagerly.
 
 With --enforce-eager nothing is captured (`run_eagerly`): a decode step still goes through the static
 buffers padded to its bucket, and runs the same kernels at the same shapes as the graph would, so it
@@ -25,10 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from engine.future_tokens import resolved
 from engine.kv_cache import KVCache, flat_block_tables
 from engine.model.attention import AttentionMetadata, GpuAttention, PagedDecode
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
-from engine.model.uploads import upload_into
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +88,11 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         capture: Callable[[Callable[[], HeadOutput]], Replay] | None = None,
+        placeholders: torch.Tensor | None = None,
     ) -> None:
         self.model = model
+        # The device buffer of engine/future_tokens.py that placeholder token ids name, if steps overlap.
+        self.placeholders = placeholders
         self.kv_cache = kv_cache
         self.attention = attention
         self.block_size = block_size
@@ -102,6 +108,13 @@ class DecodeGraphs:
             (self.max_batch, -(-max_model_len // block_size)), scratch_block, dtype=torch.long, device=device
         )
         self.logits_indices = torch.arange(self.max_batch, device=device)
+        # Pinned host memory for the copies up, two in turn (a step's copy is queued, not waited for):
+        # one is reused only after the event recorded behind its copies has passed, which it has unless
+        # two replays came without the host reading anything of the first (so it costs no wait).
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if device.type == "cuda":
+            size = self.inputs.numel() + self.block_tables.numel()
+            self._staging = [(torch.empty(size, dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in "ab"]
         captures = capture is None
         capture = capture or CudaGraphCapture()
         started, free_before = time.perf_counter(), self._free_memory()
@@ -117,16 +130,8 @@ class DecodeGraphs:
                 (free_before - self._free_memory()) / 2**20,
             )
 
-    def replay(
-        self,
-        token_ids: array,
-        positions: array,
-        slots: array,
-        tables: list[list[int]],
-        resolve: Callable[[torch.Tensor], None] | None = None,
-    ) -> HeadOutput:
-        """The logits [n, V] of n decodes (n <= max_batch): the i-th reads its context through tables[i].
-        `resolve` replaces the placeholders among the token ids on the device (engine/future_tokens.py)."""
+    def replay(self, token_ids: array, positions: array, slots: array, tables: list[list[int]]) -> HeadOutput:
+        """The logits [n, V] of n decodes (n <= max_batch): the i-th reads its context through tables[i]."""
         num_decodes = len(token_ids)
         bucket = next(size for size in self.buckets if size >= num_decodes)
         pad = bucket - num_decodes
@@ -134,12 +139,19 @@ class DecodeGraphs:
         for column, padding in zip((token_ids, positions, slots, [p + 1 for p in positions]), self._padding):
             host.extend(column)
             host.extend([padding] * pad)
-        upload_into(self.inputs[:, :bucket], torch.frombuffer(host, dtype=torch.long).view(4, bucket))
-        if resolve is not None:
-            resolve(self.inputs[0, :bucket])
         width = max(-(-(p + 1) // self.block_size) for p in positions)
-        flat = flat_block_tables([*tables, *[[]] * pad], width, pad=self.scratch_block)
-        upload_into(self.block_tables[:bucket, :width], torch.frombuffer(flat, dtype=torch.long).view(bucket, width))
+        host.extend(flat_block_tables([*tables, *[[]] * pad], width, pad=self.scratch_block))
+        rows = torch.frombuffer(host, dtype=torch.long)
+        if self._staging:
+            staging, copied = self._staging[0]
+            self._staging.reverse()
+            copied.synchronize()
+            rows = staging[: len(host)].copy_(rows)
+        inputs, tables_part = rows[: 4 * bucket].view(4, bucket), rows[4 * bucket :].view(bucket, width)
+        self.inputs[:, :bucket].copy_(inputs, non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(tables_part, non_blocking=True)
+        if self._staging:
+            copied.record()
         return HeadOutput(self.launch(bucket).logits[:num_decodes])
 
     def launch(self, bucket: int) -> HeadOutput:
@@ -148,6 +160,8 @@ class DecodeGraphs:
 
     def _forward(self, bucket: int) -> HeadOutput:
         token_ids, positions, slots, context_lens = (row[:bucket] for row in self.inputs)
+        if self.placeholders is not None:
+            token_ids = resolved(token_ids, self.placeholders)
         meta = AttentionMetadata(
             slot_mapping=slots,
             num_decode_tokens=bucket,

@@ -49,6 +49,9 @@ class ModelRunner:
         self.gpu_attention = gpu_attention(self.device, block_size, model.num_heads, model.num_kv_heads, model.head_dim)
         # Decode steps replayed as CUDA graphs, once captured (capture_decode_graphs).
         self.graphs: DecodeGraphs | None = None
+        # With overlapped steps, the device buffer that placeholder token ids name (engine/future_tokens.py):
+        # graphs captured with it resolve them themselves.
+        self.placeholders: torch.Tensor | None = None
         # One block past the pool's: a graph's padding rows write and read there, and nothing else does.
         self.scratch_block = num_blocks
         self.kv_cache = KVCache.allocate(
@@ -78,6 +81,7 @@ class ModelRunner:
             max_num_seqs,
             max_model_len,
             capture,
+            self.placeholders,
         )
         return True
 
@@ -138,10 +142,15 @@ class ModelRunner:
         if resolve is not None and min(input_ids, default=0) >= 0:
             resolve = None
         graphs = self.graphs
-        # Decodes only (a token per segment), each wanting its logits: the captured graph of its size.
-        if graphs is not None and 0 < len(segments) == len(input_ids) == len(logits_indices) <= graphs.max_batch:
+        # Decodes only (a token per segment), each wanting its logits: the captured graph of its size
+        # (if it can read the placeholders among them).
+        if (
+            graphs is not None
+            and 0 < len(segments) == len(input_ids) == len(logits_indices) <= graphs.max_batch
+            and (resolve is None or graphs.placeholders is not None)
+        ):
             tables = [segment.request.block_table for segment in segments]
-            return graphs.replay(input_ids, positions, slots, tables, resolve)
+            return graphs.replay(input_ids, positions, slots, tables)
         position_tensor = self._tensor(positions)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decode_tokens=0, decode_slots=None, decode_mask=None, prefills=[]

@@ -17,11 +17,3 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def upload_into(target: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy `host` into the device tensor `target`; on a GPU, queued without waiting."""
-    if target.device.type != "cuda":
-        target.copy_(host)
-        return
-    target.copy_(host.pin_memory(), non_blocking=True)

@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="graphs replay the Triton paged decode kern
 
 from engine.channel import StreamChannel  # noqa: E402
 from engine.engine import SpeculativeConfig  # noqa: E402
+from engine.future_tokens import FutureTokens  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.graphs import CudaGraphCapture, batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
@@ -64,9 +65,11 @@ def test_buckets_are_powers_of_two_to_8_then_steps_of_16():
     assert batch_buckets(256)[-3:] == [224, 240, 256] and len(batch_buckets(256)) == 20
 
 
-async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_tokenizer):
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_tokenizer, overlap):
     """Twelve requests that end one after another, so the batch shrinks through every bucket, most
-    steps padded (11 rows in 12, 7 in 8, ...); prompts prefilled in chunks run eagerly in between."""
+    steps padded (11 rows in 12, 7 in 8, ...); prompts prefilled in chunks run eagerly in between.
+    With overlapped steps (engine/future_tokens.py) the graphs read placeholder token ids."""
     loaded = tiny_loaded(default_tokenizer, device=DEVICE)
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 400) for _ in range(rng.randint(3, 40))] for _ in range(12)]
@@ -79,6 +82,15 @@ async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_toke
         engine.runner.gpu_attention = _kernels(loaded.model)
         # On CUDA the engine has captured graphs of its own: the eager run drops them.
         engine.runner.graphs = None
+        engine.future = FutureTokens(12, engine.runner.device) if overlap else None
+        engine.runner.placeholders = engine.future.buffer if overlap else None
+        execute, resolved_steps = engine.runner.execute, []
+
+        def counting(plan, resolve=None):
+            resolved_steps.append(resolve is not None)
+            return execute(plan, resolve)
+
+        engine.runner.execute = counting
         if replayed is not None:
             assert engine.runner.capture_decode_graphs(12, 1024, capture=_recording_capture(replayed))
         engine.start()
@@ -93,6 +105,7 @@ async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_toke
             engine.block_manager.check_integrity(engine.scheduler.requests())
         finally:
             engine.shutdown()
+        assert any(resolved_steps) == overlap
         return [tokens_of(chunks) for chunks in results]
 
     replayed = []
