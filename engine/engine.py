@@ -337,17 +337,22 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the step in flight hands its tokens back: it
-        admits no one (admission and preemption read and reset whole requests), speculates for no one
-        (proposals read the output), every running request is plain, and no decode can lack a block."""
-        scheduler, spec = self.scheduler, self.config.speculative
+        admits and preempts no one (both read or reset whole requests, placeholders included: nobody
+        waits, and the pool holds every block the running requests could ask for), speculates for no
+        one (proposals read the output), and every running request is plain."""
+        scheduler, spec, blocks = self.scheduler, self.config.speculative, self.block_manager
         running = scheduler.running
-        return (
-            not scheduler.waiting
-            and not self._fault_pending
-            and (self.proposer is None or spec is None or len(running) > spec.max_batch_size)
-            and self.block_manager.can_allocate(len(running))
-            and all(r.overlappable for r in running)
-        )
+        if scheduler.waiting or self._fault_pending:
+            return False
+        if self.proposer is not None and spec is not None and len(running) <= spec.max_batch_size:
+            return False
+        needed = 0
+        for request in running:
+            if not request.overlappable:
+                return False
+            remaining = len(request.token_ids) - request.num_computed_tokens
+            needed += 1 if remaining <= 1 else blocks.num_blocks_needed(request, remaining)
+        return blocks.can_allocate(needed)
 
     def _launch(self, plan: StepPlan) -> None:
         """Run a step of plain requests without waiting for its tokens: each sampler gets a placeholder,

@@ -119,3 +119,14 @@ async def test_a_cancel_during_overlapped_steps_frees_every_block(make_engine):
     stats = engine.stats
     assert engine.block_manager.num_free + stats.kv_blocks_used == stats.kv_blocks_total
     assert engine.overlapped > 0
+
+
+async def test_preemptions_between_overlapped_steps_recompute_the_same_tokens(make_engine):
+    """A pool too small for everyone: requests are preempted and recomputed between overlapped steps."""
+    requests = [([1 + i, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) for i in range(4)]
+    small = dict(num_kv_blocks=30, block_size=4)
+    plain = await run_all(make_engine(False, **small), requests)
+    engine = make_engine(True, **small)
+    assert await run_all(engine, requests) == plain
+    assert engine.stats.num_preemptions > 0 and engine.overlapped > 0
+    engine.block_manager.check_integrity(engine.scheduler.requests())
