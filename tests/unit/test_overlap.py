@@ -130,3 +130,24 @@ async def test_preemptions_between_overlapped_steps_recompute_the_same_tokens(ma
     assert await run_all(engine, requests) == plain
     assert engine.stats.num_preemptions > 0 and engine.overlapped > 0
     engine.block_manager.check_integrity(engine.scheduler.requests())
+
+
+async def test_a_stop_string_found_late_ends_the_output_where_plain_steps_do(make_engine):
+    prompt = [11, 12, 13]
+    chunks = await collect(make_engine(False), prompt, SamplingParams(max_tokens=16, temperature=0.0))
+    text = "".join(chunk.text for chunk in chunks)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop=(stop,))
+    noise = SamplingParams(max_tokens=16, temperature=0.0)
+    plain = make_engine(False)
+    engine = make_engine(True)
+    expected = await asyncio.gather(collect(plain, prompt, params), *[collect(plain, [9, i], noise) for i in range(4)])
+    got = await asyncio.gather(collect(engine, prompt, params), *[collect(engine, [9, i], noise) for i in range(4)])
+
+    def outputs(results):
+        return [("".join(c.text for c in chunks), tokens_of(chunks), chunks[-1].finish_reason) for chunks in results]
+
+    assert outputs(got) == outputs(expected)
+    assert stop not in outputs(got)[0][0] and outputs(got)[0][2] == FinishReason.STOP
+    await wait_for(lambda: engine.stats.kv_blocks_used == 0)
+    assert engine.overlapped > 0
