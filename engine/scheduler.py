@@ -98,13 +98,13 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, plan):
                 continue
-            proposed = (proposals or {}).get(id(request), [])[: budget - num_new] if num_new == 1 else []
-            needed = self.block_manager.num_blocks_needed(request, num_new + len(proposed))
-            if proposed and not self.block_manager.can_allocate(needed):
-                proposed = []  # speculation never preempts anyone
-            if proposed:
+            proposed = proposals.get(id(request), [])[: budget - num_new] if proposals and num_new == 1 else []
+            # Speculation never preempts anyone.
+            if proposed and self.block_manager.can_allocate(
+                self.block_manager.num_blocks_needed(request, num_new + len(proposed))
+            ):
                 plan.proposals[id(request)] = proposed
-            num_new += len(proposed)
+                num_new += len(proposed)
             self.block_manager.allocate(request, num_new)
             plan.scheduled.append((request, num_new))
             budget -= num_new
