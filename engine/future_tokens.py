@@ -40,7 +40,6 @@ class FutureTokens:
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
-        self.device = device
         self.buffer = torch.zeros(2 * capacity, dtype=torch.long, device=device)
         self._half = 0
 
