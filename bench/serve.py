@@ -9,6 +9,8 @@ re-tokenizing the received text with one local tokenizer, so every server is cou
 alike. Per level it reports output tokens/s, requests/s, TTFT p50/p95, inter-token
 latency p50/p95 (gaps between content chunks, per token), end-to-end p50, and protocol
 faults (HTTP errors, bad JSON, a missing or repeated finish_reason, a missing [DONE]).
+Streams are read with a bare asyncio protocol (`SSEResponse`), cheap enough per chunk that
+the client does not become what is measured at hundreds of streams.
 Writes `<out>.json` and, with matplotlib installed (`pip install -e .[bench]`), `<out>.png`:
 throughput and TTFT against concurrency, one line per server.
 """
@@ -26,8 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -79,8 +80,65 @@ class Sample:
     fault: str | None = None
 
 
+class SSEResponse(asyncio.Protocol):
+    """One streamed response read off a bare asyncio connection (`Connection: close`): the status, the
+    body (chunked or not) cut into lines, and each `data:` line handed to `on_data` as it arrives.
+
+    Not httpx: at hundreds of streams on a GPU, httpx's pure-Python HTTP stack and connection pool cost
+    the client about 170 µs of CPU per chunk, and the sweep measured its own client (see README, "On a
+    GPU"). This costs a few tens."""
+
+    def __init__(self, on_data, finished: asyncio.Future) -> None:
+        self.on_data = on_data
+        self.finished = finished
+        self.status: int | None = None
+        self._head = b""
+        self._chunked = False
+        self._raw = b""  # chunked-encoded bytes not yet decoded
+        self._lines = b""  # decoded body after the last complete line
+
+    def data_received(self, data: bytes) -> None:
+        if self.status is None:
+            self._head += data
+            if b"\r\n\r\n" not in self._head:
+                return
+            head, _, data = self._head.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            self.status = int(lines[0].split()[1])
+            self._chunked = any(
+                line.lower().startswith("transfer-encoding:") and "chunked" in line.lower() for line in lines[1:]
+            )
+        self._body(self._dechunk(data) if self._chunked else data)
+
+    def _dechunk(self, data: bytes) -> bytes:
+        self._raw += data
+        out = []
+        while True:
+            line_end = self._raw.find(b"\r\n")
+            if line_end < 0:
+                break
+            size = int(self._raw[:line_end].split(b";")[0] or b"0", 16)
+            if len(self._raw) < line_end + 2 + size + 2:
+                break
+            out.append(self._raw[line_end + 2 : line_end + 2 + size])
+            self._raw = self._raw[line_end + 2 + size + 2 :]
+        return b"".join(out)
+
+    def _body(self, data: bytes) -> None:
+        *lines, self._lines = (self._lines + data).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                self.on_data(line[5:].strip().decode())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._lines.startswith(b"data:"):
+            self.on_data(self._lines[5:].strip().decode())
+        if not self.finished.done():
+            self.finished.set_result(exc)
+
+
 async def one_request(
-    client: httpx.AsyncClient, base: str, model: str | None, prompt: str, max_tokens: int, ignore_eos: bool = False
+    base: str, model: str | None, prompt: str, max_tokens: int, ignore_eos: bool = False, timeout: float = 300
 ) -> Sample:
     body = {
         "messages": [{"role": "user", "content": prompt}],
@@ -93,40 +151,60 @@ async def one_request(
     if model:
         body["model"] = model
     sample = Sample()
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
     start = last = time.perf_counter()
     finishes, done = 0, False
+
+    def on_data(data: str) -> None:
+        nonlocal last, finishes, done
+        if data == "[DONE]":
+            done = True
+            # The stream is over, whether or not the server closes the connection.
+            if not finished.done():
+                finished.set_result(None)
+            return
+        try:
+            payload = json.loads(data)
+        except json.JSONDecodeError:
+            sample.fault = "bad JSON"
+            return
+        if "error" in payload:
+            sample.fault = f"error event: {payload['error'].get('message')}"
+        for choice in payload.get("choices", []):
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                now = time.perf_counter()
+                if sample.ttft is None:
+                    sample.ttft = now - start
+                else:
+                    sample.gaps.append((now - last, content))
+                last = now
+                sample.text += content
+            finishes += choice.get("finish_reason") is not None
+
+    url = urlsplit(base)
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+        f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    transport = None
     try:
-        async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                sample.fault = f"HTTP {response.status_code}"
-                return sample
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    continue
-                try:
-                    payload = json.loads(data)
-                except json.JSONDecodeError:
-                    sample.fault = "bad JSON"
-                    continue
-                if "error" in payload:
-                    sample.fault = f"error event: {payload['error'].get('message')}"
-                for choice in payload.get("choices", []):
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        now = time.perf_counter()
-                        if sample.ttft is None:
-                            sample.ttft = now - start
-                        else:
-                            sample.gaps.append((now - last, content))
-                        last = now
-                        sample.text += content
-                    finishes += choice.get("finish_reason") is not None
-    except httpx.HTTPError as exc:
+        transport, response = await loop.create_connection(
+            lambda: SSEResponse(on_data, finished), url.hostname, url.port or 80
+        )
+        transport.write(head + payload)
+        error = await asyncio.wait_for(finished, timeout)
+        if response.status != 200:
+            sample.fault = f"HTTP {response.status}"
+        elif error is not None:
+            sample.fault = f"{type(error).__name__}: {error}"
+    except (OSError, asyncio.TimeoutError) as exc:
         sample.fault = f"{type(exc).__name__}: {exc}"
+    finally:
+        if transport is not None:
+            transport.close()
     sample.latency = time.perf_counter() - start
     if sample.fault is None and (finishes != 1 or not done):
         sample.fault = f"{finishes} finish_reason chunks, [DONE] {'seen' if done else 'missing'}"
@@ -134,8 +212,7 @@ async def one_request(
 
 
 async def warm_up(base: str, model: str | None) -> None:
-    async with httpx.AsyncClient(timeout=300) as client:
-        await one_request(client, base, model, PROMPTS[0], 8)
+    await one_request(base, model, PROMPTS[0], 8)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -154,14 +231,14 @@ async def level(base: str, model: str | None, concurrency: int, args: argparse.N
         samples = []
         for turn in range(args.requests_per_worker):
             prompt = PROMPTS[(turn * concurrency + index) % len(PROMPTS)]
-            samples.append(await one_request(client, base, model, prompt, args.max_tokens, args.ignore_eos))
+            samples.append(
+                await one_request(base, model, prompt, args.max_tokens, args.ignore_eos, timeout=args.timeout)
+            )
         return samples
 
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        start = time.perf_counter()
-        samples = [s for batch in await asyncio.gather(*[worker(i) for i in range(concurrency)]) for s in batch]
-        elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    samples = [s for batch in await asyncio.gather(*[worker(i) for i in range(concurrency)]) for s in batch]
+    elapsed = time.perf_counter() - start
     tokens = [count_tokens(s.text) for s in samples]
     # A chunk can carry several tokens (speculative bursts, stream_interval): spread its gap over them.
     itl = [gap / max(1, count_tokens(text)) for s in samples for gap, text in s.gaps]
