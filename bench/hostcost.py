@@ -254,12 +254,9 @@ async def http_one(host: str, port: int, body: bytes) -> tuple[float, list[tuple
     loop = asyncio.get_running_loop()
     finished = loop.create_future()
     transport, counter = await loop.create_connection(lambda: StreamCounter(finished), host, port)
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
+    request = serve.chat_request(host, body)
     sent = time.perf_counter()
-    transport.write(head + body)
+    transport.write(request)
     try:
         await finished
     finally:

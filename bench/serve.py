@@ -137,6 +137,15 @@ class SSEResponse(asyncio.Protocol):
             self.finished.set_result(exc)
 
 
+def chat_request(host: str, body: bytes) -> bytes:
+    """A chat completion's POST for a bare connection, which the server closes once it has answered."""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
 async def one_request(
     base: str, model: str | None, prompt: str, max_tokens: int, ignore_eos: bool = False, timeout: float = 300
 ) -> Sample:
@@ -184,17 +193,12 @@ async def one_request(
             finishes += choice.get("finish_reason") is not None
 
     url = urlsplit(base)
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-    ).encode()
     transport = None
     try:
         transport, response = await loop.create_connection(
             lambda: SSEResponse(on_data, finished), url.hostname, url.port or 80
         )
-        transport.write(head + payload)
+        transport.write(chat_request(url.netloc, json.dumps(body).encode()))
         error = await asyncio.wait_for(finished, timeout)
         if response.status != 200:
             sample.fault = f"HTTP {response.status}"

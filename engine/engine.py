@@ -315,7 +315,10 @@ class Engine:
                 return False
             self._complete(self._in_flight)
             return True
-        if self.future is not None and not plan.proposals and all(r.overlappable for r, _ in plan.scheduled):
+        # With a step in flight, _can_overlap() has found every running request plain and nobody proposed for.
+        if self.future is not None and (
+            self._in_flight is not None or (not plan.proposals and all(r.overlappable for r, _ in plan.scheduled))
+        ):
             self._launch(plan)
             return True
         pending_masks = self._start_masks(plan)

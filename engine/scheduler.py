@@ -89,7 +89,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if request.num_pending and self._reaches_length(request):
+            if request.num_pending and self._reaches_length(request, request.num_tokens):
                 continue  # its token on the device is its last (overlapped steps)
             if request.channel.unread_tokens >= self.max_unread_tokens:
                 plan.num_paused += 1
@@ -182,7 +182,7 @@ class Scheduler:
                 request.token_ids.append(token_id)
                 if self.is_stop_token(request, token_id):
                     request.finish(RequestStatus.FINISHED_STOPPED)
-                elif self._reaches_length(request):
+                elif self._reaches_length(request, request.num_tokens):
                     request.finish(RequestStatus.FINISHED_LENGTH)
                 elif count == len(token_ids) and request.constraint is not None and request.constraint.done:
                     # The grammar allows nothing more: the output is complete.
@@ -215,9 +215,7 @@ class Scheduler:
             request.num_pending -= 1
             if self.is_stop_token(request, token_id):
                 request.finish(RequestStatus.FINISHED_STOPPED)
-            elif request.num_output_tokens - request.num_pending >= request.params.max_tokens or (
-                position + 1 >= self.max_model_len
-            ):
+            elif self._reaches_length(request, position + 1):
                 request.finish(RequestStatus.FINISHED_LENGTH)
             if request.is_finished:
                 self.free(request)
@@ -227,9 +225,9 @@ class Scheduler:
                 self.block_manager.register(request)
         return kept
 
-    def _reaches_length(self, request: Request) -> bool:
-        """Whether the request's tokens so far are as many as it may have."""
-        return request.num_output_tokens >= request.params.max_tokens or request.num_tokens >= self.max_model_len
+    def _reaches_length(self, request: Request, num_tokens: int) -> bool:
+        """Whether the request's first `num_tokens` tokens (prompt included) are as many as it may have."""
+        return num_tokens - request.num_prompt_tokens >= request.params.max_tokens or num_tokens >= self.max_model_len
 
     def is_stop_token(self, request: Request, token_id: int) -> bool:
         """Whether `token_id` ends `request`: eos (unless ignore_eos) or one of its stop_token_ids."""

@@ -139,8 +139,6 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - (end - start), len(input_ids)))
             elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
-        if resolve is not None and min(input_ids, default=0) >= 0:
-            resolve = None
         graphs = self.graphs
         # Decodes only (a token per segment), each wanting its logits: the captured graph of its size
         # (if it can read the placeholders among them).

@@ -19,6 +19,15 @@ from tests.conftest import CACHE_DIR
 
 TINY_VOCAB = 512
 
+# One of each way of sampling: greedy, temperature alone, and each truncation (keyword arguments of SamplingParams).
+SAMPLING_KINDS = [
+    dict(temperature=0.0),
+    dict(temperature=0.8),
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=1.2, top_k=20),
+    dict(temperature=0.7, min_p=0.1, top_p=0.95),
+]
+
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB):
     """A 2-layer random model whose logits are peaked enough for greedy decoding to be stable.

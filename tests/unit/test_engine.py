@@ -5,7 +5,7 @@ import pytest
 
 from engine.channel import StreamChannel
 from engine.request import FinishReason, SamplingParams
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded, tokens_of, wait_for
+from tests.unit.helpers import SAMPLING_KINDS, collect, tiny_engine, tiny_loaded, tokens_of, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +55,14 @@ async def test_seeded_requests_match_alone_inside_64_mixed_requests(loaded):
     engine.start()
     try:
         rng = random.Random(3)
-        kinds = [
-            dict(temperature=0.0),
-            dict(temperature=0.8),
-            dict(temperature=1.0, top_p=0.9),
-            dict(temperature=1.2, top_k=20),
-            dict(temperature=0.7, min_p=0.1, top_p=0.95),
-        ]
         requests = [
             (
                 [rng.randrange(1, 500) for _ in range(rng.randint(1, 30))],
-                SamplingParams(max_tokens=rng.randint(4, 16), seed=rng.choice([None, i]), **kinds[i % len(kinds)]),
+                SamplingParams(
+                    max_tokens=rng.randint(4, 16),
+                    seed=rng.choice([None, i]),
+                    **SAMPLING_KINDS[i % len(SAMPLING_KINDS)],
+                ),
             )
             for i in range(64)
         ]

@@ -10,7 +10,7 @@ import pytest
 from engine.channel import StreamChannel
 from engine.future_tokens import FutureTokens
 from engine.request import FinishReason, SamplingParams
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded, tokens_of, wait_for
+from tests.unit.helpers import SAMPLING_KINDS, collect, tiny_engine, tiny_loaded, tokens_of, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +47,10 @@ def make_engine(loaded):
 def mixed_requests(count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     """Greedy and seeded sampled requests of every truncation, prompts longer than a step's budget."""
     rng = random.Random(seed)
-    kinds = [
-        dict(temperature=0.0),
-        dict(temperature=0.8),
-        dict(temperature=1.0, top_p=0.9),
-        dict(temperature=1.2, top_k=20),
-        dict(temperature=0.7, min_p=0.1, top_p=0.95),
-    ]
     return [
         (
             [rng.randrange(1, 500) for _ in range(rng.randint(1, 60))],
-            SamplingParams(max_tokens=rng.randint(1, 24), seed=i, **kinds[i % len(kinds)]),
+            SamplingParams(max_tokens=rng.randint(1, 24), seed=i, **SAMPLING_KINDS[i % len(SAMPLING_KINDS)]),
         )
         for i in range(count)
     ]
