@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,6 +99,12 @@ class StreamChannel:
         # Written by one thread each; reads of a Python int from the other are atomic.
         self._pushed_tokens = 0
         self._read_tokens = 0
+        # A reader that can take some chunks itself, on the loop, without being woken (a plain SSE
+        # stream writes them straight to its socket): its task's wake-up and every layer between here
+        # and the socket were most of the loop's time per token. Offered a chunk only while the reader
+        # waits with nothing pending, so nothing overtakes what it was handed before; returns whether
+        # it took the chunk.
+        self.write_through: Callable[[Chunk], bool] | None = None
 
     # Engine thread side.
 
@@ -118,6 +124,11 @@ class StreamChannel:
     @property
     def unread_tokens(self) -> int:
         return self._pushed_tokens - self._read_tokens
+
+    @property
+    def read_tokens(self) -> int:
+        """Tokens the reader has taken, every choice's, written through or iterated."""
+        return self._read_tokens
 
     # Event loop side.
 
@@ -141,10 +152,16 @@ class StreamChannel:
                 yield chunk
 
     def deliver(self, chunk: Chunk) -> None:
-        """Called by the Outbox's callback on the loop: queue a chunk for the reader."""
+        """Called by the Outbox's callback on the loop: hand a chunk to the reader."""
+        waiter = self._waiter
+        # A waiter not yet done means nothing is pending: the first chunk queued wakes it.
+        waiting = waiter is not None and not waiter.done()
+        if waiting and self.write_through is not None and self.write_through(chunk):
+            self._read_tokens += len(chunk.token_ids)
+            return
         self._delivered.append(chunk)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if waiting:
+            waiter.set_result(None)
 
 
 def _coalesce(chunks: list[Chunk]) -> list[Chunk]:

@@ -1,4 +1,5 @@
-"""Small per-connection write buffers, so a client that stops reading pushes back within kilobytes.
+"""Small per-connection write buffers, so a client that stops reading pushes back within kilobytes;
+and BodyWriter, a streamed body's chunks written straight to the connection.
 
 Left to defaults, the kernel grows a socket's send buffer to megabytes and asyncio
 buffers 64 KiB more before uvicorn's `send` waits; a stalled reader would then
@@ -8,6 +9,13 @@ takes over after a few kilobytes.
 
 The parser is httptools when it is installed (uvicorn's own choice, and cheaper per
 event than h11), else h11; both get the same bound.
+
+BodyWriter writes what uvicorn's `send` would for a body message of a chunked response,
+without the ASGI call: a plain SSE stream's text deltas are written from the engine's
+callback on the loop (StreamChannel.write_through), with no task woken and no layer
+crossed. It writes only where `send` would not wait (the transport below its high-water
+mark, the client connected) and otherwise says no, so the stream falls back to `send`,
+which waits for the client as before: back-pressure is unchanged.
 """
 
 from __future__ import annotations
@@ -15,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from starlette.types import Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
 except ImportError:  # httptools is not installed
-    HttpToolsProtocol = None
+    HttpToolsProtocol = HttpToolsCycle = None
 
 
 def bounded_http_protocol(write_buffer_bytes: int) -> type[asyncio.Protocol]:
@@ -37,3 +47,36 @@ def bounded_http_protocol(write_buffer_bytes: int) -> type[asyncio.Protocol]:
             transport.set_write_buffer_limits(high=write_buffer_bytes)
 
     return BoundedHTTPProtocol
+
+
+class BodyWriter:
+    """Chunks of one chunked response body, written to its connection as uvicorn's httptools
+    `send` writes them (`<hex length>\\r\\n<body>\\r\\n`), while `send` would not wait."""
+
+    def __init__(self, cycle: HttpToolsCycle) -> None:
+        self._cycle = cycle
+
+    @classmethod
+    def of(cls, send: Send) -> BodyWriter | None:
+        """The writer behind uvicorn's own `send`; None for any other (h11, a wrapped `send`, a test
+        client), whose streams keep to `send` alone."""
+        cycle = getattr(send, "__self__", None)
+        if HttpToolsCycle is None or type(cycle) is not HttpToolsCycle:
+            return None
+        return cls(cycle)
+
+    def write(self, body: bytes) -> bool:
+        """Write one chunk of the body; False, having written nothing, where `send` would wait for the
+        client or could not write (the response not started or complete, not chunked, the client gone)."""
+        cycle = self._cycle
+        if (
+            cycle.flow.write_paused
+            or cycle.disconnected
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.chunked_encoding is not True
+            or cycle.transport.is_closing()
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True

@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 from app.errors import OpenAIError, error_body
 from app.operations.accounting import Accounting
 from app.operations.front_door import BODY_SEND
+from app.operations.transport import BodyWriter
 from app.serving.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -128,7 +129,7 @@ class Generation:
     async def events(self) -> AsyncIterator[str]:
         """Every SSE data payload of the stream, ending in [DONE] on every path; leaving early
         cancels the request in the engine."""
-        completion_tokens = cached_tokens = 0
+        cached_tokens = 0
         text_offsets = [0] * self.num_choices
         open_choices = self.num_choices
         parsers = [ToolCallParser() for _ in range(self.num_choices)] if self.parses_tools else None
@@ -140,7 +141,6 @@ class Generation:
                 if self.accounting is not None:
                     self.accounting.on_chunk(chunk)
                 open_choices -= chunk.is_terminal
-                completion_tokens += len(chunk.token_ids)
                 if chunk.finish_reason in _ENDED_IN_ERROR:
                     yield _error_json(chunk)
                     break
@@ -156,7 +156,8 @@ class Generation:
                     yield self._finish(chunk, bool(parsers and parsers[chunk.index].calls()))
             else:
                 if self.include_usage:
-                    yield self._usage_chunk(completion_tokens, cached_tokens)
+                    # The channel's count: chunks written through (see content_delta) never pass here.
+                    yield self._usage_chunk(self.channel.read_tokens, cached_tokens)
             yield DONE
         finally:
             self.channel.cancel()
@@ -256,15 +257,26 @@ class Generation:
             scores = None
         return payloads
 
+    def content_delta(self, chunk: Chunk) -> str | None:
+        """The payload of a chunk that carries only text (not a choice's last, no logprobs, no tool
+        parsing), which `events` would yield and nothing else; None for any other chunk. The hot path,
+        once per chunk of every stream: a pre-rendered chunk with the text spliced in. A plain stream
+        writes these straight to its socket (PlainStream), so they need no state of `events`."""
+        if chunk.finish_reason is not None or not chunk.text or self.wants_logprobs or self.parses_tools:
+            return None
+        return self._text_delta(chunk)
+
     def _delta(self, chunk: Chunk, text_offsets: list[int]) -> str:
         if not self.wants_logprobs:
-            # The hot path, once per chunk of every stream: a pre-rendered chunk with the text spliced in.
-            prefix, suffix = self._text_templates.get(chunk.index) or self._text_template(chunk.index)
-            return prefix + _json_text(chunk.text) + suffix
+            return self._text_delta(chunk)
         if self.kind == "chat":
             return self._chat_chunk(chunk.index, ChatDelta(content=chunk.text), self._chat_logprobs(chunk.logprobs))
         logprobs, text_offsets[chunk.index] = self._completion_logprobs(chunk.logprobs, text_offsets[chunk.index])
         return self._text_chunk(CompletionChoice(index=chunk.index, text=chunk.text, logprobs=logprobs))
+
+    def _text_delta(self, chunk: Chunk) -> str:
+        prefix, suffix = self._text_templates.get(chunk.index) or self._text_template(chunk.index)
+        return prefix + _json_text(chunk.text) + suffix
 
     def _text_template(self, index: int) -> tuple[str, str]:
         """Choice `index`'s content chunk rendered once by its pydantic model, split where the text goes,
@@ -391,12 +403,17 @@ def sse_event(event_id: int, data: str) -> bytes:
 class _EventSourceResponse(EventSourceResponse):
     """sse-starlette's response, minus a cancel scope around every send when no send timeout is
     set (it cost about a sixth of the event loop's time per event under load), with the body's
-    events sent straight to the front door's `send` (front_door.BODY_SEND) where there is one."""
+    events sent straight to the front door's `send` (front_door.BODY_SEND) where there is one; and a
+    body that can write some events itself (`write_through`, PlainStream) is given the connection."""
 
     _body_send: Send | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._body_send = scope.get(BODY_SEND)
+        write_through = getattr(self.body_iterator, "write_through", None)
+        if write_through is not None and self._body_send is not None and self.send_timeout is None:
+            if body := BodyWriter.of(self._body_send):
+                write_through(body)
         await super().__call__(scope, receive, send)
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:

@@ -1,6 +1,7 @@
 """Back-pressure, keep-alive, resumable streams and explicit cancel against a real server."""
 
 import asyncio
+import json
 import socket
 import time
 
@@ -61,6 +62,55 @@ async def test_a_stalled_reader_is_paused_and_others_keep_their_pace(flow_server
     assert other.json()["usage"]["completion_tokens"] == 20 and other_seconds < 20
     assert after["num_paused"] == 1 and after["kv_blocks_used"] == used, "the stalled stream kept generating"
     events = parse_events(received)
+    assert events[-1].data == "[DONE]"
+    assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)]
+    assert texts(events) == expected
+    wait_until(lambda: health(flow_server)["kv_blocks_used"] == 0)
+
+
+def dechunk(raw: bytes) -> tuple[bytes, list[bytes]]:
+    """A chunked HTTP response's head and its body's chunks, framing checked strictly; the body must end
+    with the zero-length chunk."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    chunks = []
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert rest == b"\r\n"
+            return head, chunks
+        assert rest[size : size + 2] == b"\r\n", "a chunk's length does not match its body"
+        chunks.append(rest[:size])
+        rest = rest[size + 2 :]
+
+
+def test_a_stalled_reader_of_plain_text_is_paused_and_gets_every_event_in_order(flow_server):
+    # Plain text deltas go from the engine's callback straight to the socket while it takes them
+    # (PlainStream): once the client stops reading they must fall back to `send` and its wait, so the
+    # stream's unread bound pauses the request as it does for any other stream. A raw socket, its
+    # receive buffer set before connecting, stalls within kilobytes.
+    expected = whole_text(flow_server, max_tokens=300, ignore_eos=True)
+    body = json.dumps(completion(max_tokens=300, ignore_eos=True)).encode()
+    url = httpx.URL(flow_server)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(120)
+        sock.connect((url.host, url.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: sluice\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body)
+        )
+        raw = sock.recv(1024)
+        wait_until(lambda: health(flow_server)["num_paused"] == 1)
+        used = health(flow_server)["kv_blocks_used"]
+        time.sleep(1.0)
+        assert health(flow_server)["kv_blocks_used"] == used, "the stalled stream kept generating"
+        while part := sock.recv(65536):
+            raw += part
+    head, chunks = dechunk(raw)
+    assert head.startswith(b"HTTP/1.1 200")
+    events = parse_events(b"".join(chunks).decode().split("\n"))
     assert events[-1].data == "[DONE]"
     assert [e.id for e in events] == [str(i) for i in range(1, len(events) + 1)]
     assert texts(events) == expected
