@@ -146,20 +146,22 @@ class PlainStream:
         self.generation.channel.write_through = self._write
 
     def _write(self, chunk: Chunk) -> bool:
+        written = False
         try:
             payload = self.generation.content_delta(chunk)
-            if payload is None or not self._body.write(sse_event(self._num_events + 1, payload)):
-                return False
+            if payload is not None:
+                written = self._body.write(sse_event(self._num_events + 1, payload))
+            if written:
+                self._num_events += 1
+                if self.generation.accounting is not None:
+                    self.generation.accounting.on_chunk(chunk)
         except Exception:
             # This runs in the callback that delivers every stream's chunks of a step: a fault here
-            # must not cost the others theirs. This stream goes the general way from now on.
+            # must not cost the others theirs. This stream goes the general way from now on (a chunk
+            # already written is not handed on again).
             logger.exception("writing a stream's event through failed; it goes through `send` from now on")
             self.generation.channel.write_through = None
-            return False
-        self._num_events += 1
-        if self.generation.accounting is not None:
-            self.generation.accounting.on_chunk(chunk)
-        return True
+        return written
 
     def __aiter__(self) -> PlainStream:
         return self
