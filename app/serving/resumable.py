@@ -184,3 +184,5 @@ class PlainStream:
             # Close the inner generator now, not whenever it is collected: that cancels the request.
             await payloads.aclose()
             self._live.pop(generation.completion_id, None)
+            # The channel and this stream refer to each other through it: freed at once, not by the collector.
+            generation.channel.write_through = None
