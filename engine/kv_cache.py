@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +137,7 @@ class BlockManager:
                 self._refs[block_id] = 1
             else:
                 self._refs[block_id] += 1
-        request.block_table = list(block_ids)
+        request.block_table = array("q", block_ids)
         request.num_registered_blocks = len(block_ids)
         request.num_computed_tokens = len(block_ids) * self.block_size
         if request.num_cached_tokens is None:
@@ -198,7 +198,7 @@ class BlockManager:
         for block_id in shared:
             self._refs[block_id] += 1
         copies = [(source, self._take()) for source in partial]
-        child.block_table = shared + [destination for _, destination in copies]
+        child.block_table = shared + array("q", (destination for _, destination in copies))
         child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
         return copies
 
@@ -213,7 +213,7 @@ class BlockManager:
         """Let go of every block of `request`; unshared ones return to the pool."""
         for block_id in request.block_table:
             self._release(block_id)
-        request.block_table.clear()
+        del request.block_table[:]
         request.num_registered_blocks = 0
 
     def _release(self, block_id: int) -> None:
@@ -275,13 +275,14 @@ class KVCache:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def flat_block_tables(tables: Iterable[list[int]], width: int, pad: int = 0) -> array:
+def flat_block_tables(tables: Iterable[Sequence[int]], width: int, pad: int = 0) -> array:
     """The tables row after row, each cut or padded with block `pad` to `width`: the buffer of a
     [len(tables), width] tensor."""
     flat = array("q")
     for table in tables:
-        row = table[:width]
-        flat.extend(row)
-        if len(row) < width:
-            flat.extend([pad] * (width - len(row)))
+        if len(table) > width:
+            table = table[:width]
+        flat.extend(table)
+        if len(table) < width:
+            flat.extend([pad] * (width - len(table)))
     return flat

@@ -7,6 +7,7 @@ captures real graphs."""
 
 import asyncio
 import random
+from array import array
 
 import pytest
 import torch
@@ -189,7 +190,7 @@ def test_captured_graphs_give_the_eager_logits_for_every_batch_size(default_toke
         segments = []
         for i in range(n):
             request = make_request(prompt_len=rng.randint(1, 100))
-            request.block_table = rng.sample(range(64), 8)
+            request.block_table = array("q", rng.sample(range(64), 8))
             start = rng.randrange(0, 8 * 16)
             segments.append(Segment(request, start, [rng.randrange(1, 500)], Logits.LAST))
         replayed = runner.run(segments).logits.clone()

@@ -87,7 +87,7 @@ def test_out_of_blocks_preempts_the_youngest_and_it_recomputes():
     while scheduler.num_preemptions == 0:
         run_step(scheduler)
         manager.check_integrity(scheduler.requests())
-    assert young.status == RequestStatus.PREEMPTED and young.block_table == []
+    assert young.status == RequestStatus.PREEMPTED and not young.block_table
     assert old.status == RequestStatus.RUNNING
     while scheduler.has_unfinished:
         run_step(scheduler)
