@@ -101,7 +101,7 @@ class StreamChannel:
         self._read_tokens = 0
         # A reader that can take some chunks itself, on the loop, without being woken (a plain SSE
         # stream writes them straight to its socket): its task's wake-up and every layer between here
-        # and the socket were most of the loop's time per token. Offered a chunk only while the reader
+        # and the socket were about a quarter of the loop's time per token. Offered a chunk only while the reader
         # waits with nothing pending, so nothing overtakes what it was handed before; returns whether
         # it took the chunk.
         self.write_through: Callable[[Chunk], bool] | None = None

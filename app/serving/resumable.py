@@ -129,7 +129,7 @@ class PlainStream:
     Given its connection (`write_through`, by the SSE response), the chunks that carry only text go
     out from the engine's callback while the reader waits (StreamChannel.write_through): at hundreds
     of streams, waking each stream's task and passing each event through the generators and `send`
-    layers below took a third of the event loop's time per token. Every other chunk (the role, a
+    layers below took about a quarter of the event loop's time per token. Every other chunk (the role, a
     choice's last, logprobs, tool calls, usage, [DONE]), and any chunk the connection would have to
     wait for, goes the general way, through `events` and `send`, numbered from the same count.
     """
