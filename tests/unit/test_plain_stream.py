@@ -2,13 +2,13 @@
 counts every token, and a fault while writing through costs no event."""
 
 import asyncio
-import json
 
 from app.serving.resumable import PlainStream
 from app.serving.streaming import Generation
 from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import TokenBytes
 from engine.request import FinishReason
+from tests.e2e.sse import Event, parse_events, stream_text
 
 
 class Connection:
@@ -45,12 +45,8 @@ def generation(loop: asyncio.AbstractEventLoop) -> Generation:
     )
 
 
-def events(wire: list[bytes]) -> list[tuple[int, str]]:
-    out = []
-    for body in wire:
-        head, data = body.decode().rstrip("\n").split("\n")
-        out.append((int(head.removeprefix("id: ")), data.removeprefix("data: ")))
-    return out
+def events(wire: list[bytes]) -> list[Event]:
+    return parse_events(b"".join(wire).decode().split("\n"))
 
 
 async def serve(stream: PlainStream, connection: Connection, chunks: list[Chunk], before_each=None) -> list[bytes]:
@@ -77,15 +73,6 @@ def text_chunks(count: int) -> list[Chunk]:
     return [*body, last._replace(finish_reason=FinishReason.LENGTH)]
 
 
-def text_of(payloads: list[str]) -> str:
-    return "".join(
-        choice["delta"].get("content") or ""
-        for p in payloads
-        if p.startswith("{")
-        for choice in json.loads(p)["choices"]
-    )
-
-
 async def test_written_through_and_sent_events_share_one_numbering_and_the_usage_counts_all():
     loop = asyncio.get_running_loop()
     connection, gen = Connection(), generation(loop)
@@ -94,11 +81,10 @@ async def test_written_through_and_sent_events_share_one_numbering_and_the_usage
     # The connection refuses chunks 3 and 4 (as when the client lags): they take the general way.
     wire = await serve(stream, connection, text_chunks(8), lambda i: setattr(connection, "open", i not in (3, 4)))
     numbered = events(wire)
-    assert [n for n, _ in numbered] == list(range(1, len(numbered) + 1))
-    payloads = [d for _, d in numbered]
-    assert payloads[-1] == "[DONE]"
-    assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 8
-    assert text_of(payloads) == "".join(f"t{i} " for i in range(8))
+    assert [e.id for e in numbered] == [str(i) for i in range(1, len(numbered) + 1)]
+    assert numbered[-1].data == "[DONE]"
+    assert numbered[-2].json()["usage"]["completion_tokens"] == 8
+    assert stream_text(numbered)[0] == "".join(f"t{i} " for i in range(8))
     # 0-2 and 5-6 written through; the role, 3, 4, the last chunk, usage and [DONE] sent.
     assert connection.written_through == 5
     assert gen.channel.write_through is None, "the channel still holds the finished stream"
@@ -113,5 +99,5 @@ async def test_a_fault_while_writing_through_costs_no_event():
     # Chunks 0 and 1 went through; the fault at 2 detached the stream, so 3 and 4 were sent.
     assert connection.written_through == 2
     numbered = events(wire)
-    assert [n for n, _ in numbered] == list(range(1, len(numbered) + 1))
-    assert text_of([d for _, d in numbered]) == "".join(f"t{i} " for i in range(6))
+    assert [e.id for e in numbered] == [str(i) for i in range(1, len(numbered) + 1)]
+    assert stream_text(numbered)[0] == "".join(f"t{i} " for i in range(6))
