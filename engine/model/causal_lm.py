@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -13,6 +14,10 @@ from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.quant import Int4Weight
+
+if TYPE_CHECKING:
+    # Triton: on a CPU only in the dev extras, so imported where a GPU uses it.
+    from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -39,8 +44,9 @@ class PagedCausalLM:
     `int4_max_tokens` tokens runs on those instead of the full-precision weights, unless
     the caller says it computes prompt tokens.
 
-    With the batch-invariant kernels (use_kernels), every other linear layer and the attention
-    run on those, so a token's logits depend on its own request alone.
+    With the batch-invariant kernels (use_kernels on a CPU, use_gpu_kernels on a GPU), every other
+    linear layer and the attention (on a GPU: the norms; its paged attention already is) run on
+    those, so a token's logits depend on its own request alone.
     """
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
@@ -69,7 +75,8 @@ class PagedCausalLM:
         self._int4: dict[torch.nn.Linear, Int4Weight] = {}
         # The batch-invariant kernels' library, or None for torch's kernels.
         self.kernels: ctypes.CDLL | None = None
-        self._packed: dict[torch.nn.Linear, PackedLinear] = {}
+        self._packed: dict[torch.nn.Linear, PackedLinear | InvariantLinear] = {}
+        self._norms: dict[torch.nn.Module, InvariantRMSNorm] = {}
 
     def use_int4(self, weights: dict[torch.nn.Linear, Int4Weight], max_tokens: int) -> None:
         """Run steps of at most `max_tokens` tokens on these int4 copies of linear layers."""
@@ -80,6 +87,18 @@ class PagedCausalLM:
         """Run these packed linear layers and the attention on the batch-invariant kernels."""
         self.kernels = library
         self._packed = packed
+
+    def use_gpu_kernels(
+        self, linears: dict[torch.nn.Linear, InvariantLinear], norms: dict[torch.nn.Module, InvariantRMSNorm]
+    ) -> None:
+        """Run these linear layers and norms on the GPU's batch-invariant Triton kernels."""
+        self._packed = linears
+        self._norms = norms
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits depend on its own request alone, whatever shares its step."""
+        return self.kernels is not None or bool(self._norms)
 
     def first_layers(self, num_layers: int) -> PagedCausalLM:
         """A self-draft: the same embeddings, final norm and head over only the first layers
@@ -112,25 +131,29 @@ class PagedCausalLM:
             replaced = replacement(linear)
             return linear(x) if replaced is None else replaced(x)
 
+        def normalize(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            replaced = self._norms.get(norm)
+            return norm(x) if replaced is None else replaced(x)
+
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden[None], positions[None])
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
         for index, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
+            x = normalize(layer.input_layernorm, hidden)
             q = project(attn.q_proj, x).view(num_tokens, self.num_heads, self.head_dim)
             k = project(attn.k_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)
             v = project(attn.v_proj, x).view(num_tokens, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = normalize(attn.q_norm, q), normalize(attn.k_norm, k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             o = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
             hidden = hidden + project(attn.o_proj, o.view(num_tokens, -1))
-            x = layer.post_attention_layernorm(hidden)
+            x = normalize(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
             hidden = hidden + project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, x)) * project(mlp.up_proj, x))
-        hidden = self.norm(hidden[logits_indices])
+        hidden = normalize(self.norm, hidden[logits_indices])
         head = replacement(self.lm_head)
         if isinstance(head, PackedLinear):
             return HeadOutput(*head.with_block_max(hidden))

@@ -182,10 +182,13 @@ def load_model(
 def use_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel, cache_dir: Path) -> None:
     """Moves every linear layer into the invariant kernels' layout (freeing the original where
     nothing else shares it) and routes attention through them; logs why not where they cannot run."""
+    if paged.device.type == "cuda":
+        use_gpu_invariant_kernels(paged, hf_model)
+        return
     if paged.device.type != "cpu" or paged.dtype != torch.float32 or paged.head_dim % 8 or paged.head_dim > 256:
         logger.warning(
             "batch invariance is off: its kernels take float32 on a CPU with a head size that is a multiple "
-            "of 8 up to 256; this model is %s on %s with heads of %d",
+            "of 8 up to 256, or a CUDA GPU; this model is %s on %s with heads of %d",
             paged.dtype,
             paged.device,
             paged.head_dim,
@@ -203,6 +206,27 @@ def use_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel, cache
                 module.weight.data = torch.empty(0)
     paged.use_kernels(library, packed)
     logger.info("batch-invariant kernels for %d linear layers and attention", len(packed))
+
+
+def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -> None:
+    """Every linear layer and RMSNorm on the GPU's Triton kernels of a fixed order; the paged attention
+    kernels already compute each token on its own. Logs why not where Triton is missing."""
+    if importlib.util.find_spec("triton") is None:
+        logger.warning("batch invariance is off: its GPU kernels need Triton (it ships with CUDA PyTorch)")
+        return
+    from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
+
+    linears = {
+        module: InvariantLinear.of(module) for module in hf_model.modules() if isinstance(module, torch.nn.Linear)
+    }
+    linears[paged.lm_head] = InvariantLinear.of(paged.lm_head, torch.float32)
+    norms = {
+        module: InvariantRMSNorm.of(module)
+        for module in hf_model.modules()
+        if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+    }
+    paged.use_gpu_kernels(linears, norms)
+    logger.info("batch-invariant GPU kernels for %d linear layers and %d norms", len(linears), len(norms))
 
 
 def _context_length(config) -> int:

@@ -22,7 +22,7 @@ def compile_every_kernel() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.kernels import gpu_sampling, paged_decode, paged_prefill
+    from engine.kernels import gpu_invariant, gpu_sampling, paged_decode, paged_prefill
     from engine.request import SamplingParams
     from tests.unit.helpers import make_request
 
@@ -57,6 +57,10 @@ def compile_every_kernel() -> list[str]:
             "_paged_prefill",
             lambda: paged_prefill.paged_prefill_attention(q, *caches, q.clone(), tables, chunks, tiles, 16, 0.1),
         )
+        x, weight = torch.zeros(3, 128, dtype=dtype), torch.zeros(4100, 128, dtype=dtype)
+        record(gpu_invariant, "_linear", lambda: gpu_invariant.invariant_linear(x, weight, torch.float32))
+        norm = gpu_invariant.InvariantRMSNorm(torch.ones(128, dtype=dtype), 1e-5)
+        record(gpu_invariant, "_rms_norm", lambda: norm(x))
     logits = torch.zeros(4, 49152)
     for top_k in (0, 40):
         params = SamplingParams(4, temperature=0.7, top_k=top_k, top_p=0.9)
@@ -65,6 +69,8 @@ def compile_every_kernel() -> list[str]:
 
     compiled = []
     for kernel, args, constexprs in launches:
+        # Launch options, not the kernel's parameters.
+        options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages") if name in constexprs}
         signature = {}
         for name, value in zip(kernel.arg_names, args):
             if isinstance(value, torch.Tensor):
@@ -73,7 +79,7 @@ def compile_every_kernel() -> list[str]:
                 signature[name] = "fp32" if isinstance(value, float) else "i64"
         signature.update(dict.fromkeys(constexprs, "constexpr"))
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         compiled.append(f"{kernel.__name__} {len(binary.asm['cubin'])}")
     return compiled
 
@@ -89,4 +95,4 @@ def test_every_triton_kernel_compiles_for_an_h100():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     names = result.stdout.split()[::2]
-    assert names == ["_paged_decode", "_paged_prefill"] * 2 + ["_sample"] * 2
+    assert names == ["_paged_decode", "_paged_prefill", "_linear", "_rms_norm"] * 2 + ["_sample"] * 2

@@ -1,0 +1,131 @@
+"""The GPU's batch-invariant linear kernel against torch's (cuBLAS), on a real model's layer shapes.
+
+    python bench/invariant_linear.py                       # Llama-1B's layers, bfloat16
+    python bench/invariant_linear.py --shape llama-8b
+    python bench/invariant_linear.py --tiles 16x16 128x64 128x128x8   # other tiles: BLOCK_MxBLOCK_N[xWARPS]
+
+For each layer (q, k, v, o, gate, up, down, the head) and row count (a decode step of 1 to 256 rows, a
+prefill step of 2048 tokens) it reports microseconds per call, the best of `--repeats` CUDA-event
+timings, for torch and for the kernel; the RMSNorm likewise. A last column says whether every row's
+bits are the same as when that row is computed alone: always for the kernel (its point), and for
+torch on this GPU as measured. `--tiles` adds columns for other tiles, and whether their bits equal
+the default tiles' bits (if they do on a GPU, a tile chosen by row count would keep invariance there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kernels.gpu_invariant import InvariantRMSNorm, LinearConfig, invariant_linear, linear_config  # noqa: E402
+
+# (hidden, intermediate, query heads, KV heads, head size, vocabulary, layers)
+SHAPES = {
+    "llama-1b": (2048, 8192, 32, 8, 64, 49152, 16),
+    "llama-8b": (4096, 14336, 32, 8, 128, 49152, 32),
+    "smollm2-135m": (576, 1536, 9, 3, 64, 49152, 30),
+}
+ROWS = (1, 16, 64, 256, 2048)
+
+
+def _time_us(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 100)
+    return best
+
+
+def _alone_equal(fn, x) -> bool:
+    together = fn(x)
+    return all(torch.equal(fn(x[i : i + 1]), together[i : i + 1]) for i in (0, x.shape[0] // 2, x.shape[0] - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=SHAPES, default="llama-1b")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tiles", nargs="*", default=[], help="other BLOCK_MxBLOCK_N tiles to time")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    hidden, intermediate, heads, kv_heads, head_dim, vocab, num_layers = SHAPES[args.shape]
+    layers = {
+        "q/o": (heads * head_dim, hidden),
+        "k/v": (kv_heads * head_dim, hidden),
+        "gate/up": (intermediate, hidden),
+        "down": (hidden, intermediate),
+        "head": (vocab, hidden),
+    }
+    extra = [[*map(int, t.split("x")), 0][:3] for t in args.tiles]
+    print(f"{args.shape} on {torch.cuda.get_device_name()}, bfloat16, µs a call (best of {args.repeats} x 10)")
+    header = "| layer | rows | torch | kernel | kernel / torch | torch rows invariant |"
+    header += "".join(f" {t} | same bits |" for t in args.tiles)
+    print(header)
+    print("|" + "---|" * (6 + 2 * len(extra)))
+    totals = {}
+    for name, (out_features, in_features) in layers.items():
+        weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features**0.5
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            out_dtype = torch.float32 if name == "head" else torch.bfloat16
+
+            def torch_linear(x=x):
+                return torch.nn.functional.linear(x, weight)
+
+            def kernel(x=x):
+                return invariant_linear(x, weight, out_dtype)
+
+            assert _alone_equal(kernel, x), (name, rows)
+            t_torch, t_kernel = _time_us(torch_linear, args.repeats), _time_us(kernel, args.repeats)
+            torch.testing.assert_close(kernel().float(), torch_linear().float(), rtol=2e-2, atol=2e-2)
+            totals.setdefault(rows, [0.0, 0.0])
+            # A forward's calls of this shape: q and o, k and v, gate and up per layer; down per layer; one head.
+            weight_count = 1 if name == "head" else num_layers * (1 if name == "down" else 2)
+            totals[rows][0] += weight_count * t_torch
+            totals[rows][1] += weight_count * t_kernel
+            line = f"| {name} | {rows} | {t_torch:.1f} | {t_kernel:.1f} | {t_kernel / t_torch:.2f} | "
+            line += f"{_alone_equal(torch_linear, x)} |"
+            reference = kernel()
+            for block_m, block_n, warps in extra:
+                base = linear_config(out_features, rows)
+                config = LinearConfig(block_m, block_n, base.block_k, warps or base.num_warps, base.num_stages)
+
+                def tiled(x=x, config=config):
+                    return invariant_linear(x, weight, out_dtype, config)
+
+                line += f" {_time_us(tiled, args.repeats):.1f} | {torch.equal(tiled(), reference)} |"
+            print(line)
+    print()
+    print("| rows | a forward's linear layers, torch µs | kernel µs | kernel / torch |")
+    print("|---|---|---|---|")
+    for rows, (t_torch, t_kernel) in totals.items():
+        print(f"| {rows} | {t_torch:.0f} | {t_kernel:.0f} | {t_kernel / t_torch:.2f} |")
+    print()
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf_norm = LlamaRMSNorm(hidden).to("cuda", torch.bfloat16)
+    kernel_norm = InvariantRMSNorm.of(hf_norm)
+    print("| RMSNorm rows | Hugging Face µs | kernel µs | HF rows invariant |")
+    print("|---|---|---|---|")
+    for rows in ROWS:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        assert _alone_equal(kernel_norm, x)
+        t_hf = _time_us(lambda x=x: hf_norm(x), args.repeats)
+        t_kernel = _time_us(lambda x=x: kernel_norm(x), args.repeats)
+        print(f"| {rows} | {t_hf:.1f} | {t_kernel:.1f} | {_alone_equal(hf_norm, x)} |")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()

@@ -1,0 +1,195 @@
+"""Batch-invariant linear layers and RMSNorm on a GPU, in Triton: a token's numbers depend on that
+token's inputs alone, not on how many rows its step has.
+
+torch's CUDA kernels pick their work split by shape: cuBLAS chooses a GEMM kernel (tile, split-K) by
+the row count, and the reduction behind RMSNorm's mean spreads a row over 512 threads when it is
+alone and over 32 when 256 rows share a launch. So a decode's logits changed with the batch it ran
+in and the graph bucket it was padded to, and a greedy token with them where two logits nearly tie.
+These kernels fix the order for every row count: a linear layer's output element is one chain of
+BLOCK_K-wide dot products over k in increasing order, accumulated in float32 (BLOCK_K never
+changes); a norm's row is summed by one program with a block as wide as the row. The row and column
+tiles (`linear_config`) only choose which program computes an element, and are picked by the step's
+size: on an H100 every tile gives the same bits (tests/unit/test_gpu_invariant.py checks it on
+CUDA through row counts on both sides of the switch; `bench/invariant_linear.py --tiles` compares
+each tile's bits and speed).
+
+Triton compiles for CUDA; with TRITON_INTERPRET=1 set before this module is imported it runs on CPU
+tensors too, which is how the tests check it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """A linear layer's tiles: rows and output columns per program, and the k-step of its chain."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The k-step of every tile: it fixes each output element's order of summation.
+BLOCK_K = 64
+
+
+def linear_config(out_features: int, num_rows: int) -> LinearConfig:
+    """Up to 64 rows (a decode step), narrow column tiles for narrow layers, so a few rows still spread
+    over the GPU's multiprocessors (cuBLAS would split k for that, which a fixed order forbids); more
+    rows, wide tiles that load each weight fewer times."""
+    if num_rows > 64:
+        return LinearConfig(block_m=128, block_n=64, block_k=BLOCK_K, num_warps=4, num_stages=4)
+    block_n = 16 if out_features <= 2048 else 32 if out_features <= 4096 else 64
+    return LinearConfig(block_m=64, block_n=block_n, block_k=BLOCK_K, num_warps=4, num_stages=4)
+
+
+@dataclass(frozen=True)
+class InvariantLinear:
+    """A linear layer (weight [N, K], optional bias) run on the batch-invariant kernel."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    # float32 for an output head, so its logits need no second cast; else the weight's dtype.
+    out_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear, out_dtype: torch.dtype | None = None) -> InvariantLinear:
+        return cls(linear.weight.detach(), linear.bias, out_dtype or linear.weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = invariant_linear(x, self.weight, self.out_dtype)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype, config: LinearConfig | None = None
+) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T → [..., N] in out_dtype; float32 multiplies in full precision.
+    `config` overrides linear_config's tiles (bench/invariant_linear.py compares them)."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    num_rows = rows.shape[0]
+    out = torch.empty(num_rows, out_features, dtype=out_dtype, device=x.device)
+    if num_rows:
+        config = config or linear_config(out_features, num_rows)
+        grid = (triton.cdiv(out_features, config.block_n), triton.cdiv(num_rows, config.block_m))
+        _linear[grid](
+            rows,
+            weight,
+            out,
+            num_rows,
+            out_features,
+            in_features,
+            rows.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            IEEE=x.dtype == torch.float32,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return out.view(*x.shape[:-1], out_features)
+
+
+# The row count is not specialized on (Triton would compile a variant for 1 row and for multiples of
+# 16): one binary serves every step.
+@triton.jit(do_not_specialize=["num_rows"])
+def _linear(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    num_rows,
+    out_features,
+    in_features,
+    x_row_stride,
+    w_row_stride,
+    out_row_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # Columns are the fast axis, so the programs running together share their rows of x.
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    row_mask = rows < num_rows
+    column_mask = columns < out_features
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    w_columns = w_ptr + columns.to(tl.int64)[None, :] * w_row_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, in_features, BLOCK_K):
+        inside = k + ks < in_features
+        # Masked rows, columns and k read as 0: they add exact zeros to the sums they touch.
+        x = tl.load(x_rows + (k + ks)[None, :], mask=row_mask[:, None] & inside[None, :], other=0.0)
+        w = tl.load(w_columns + (k + ks)[:, None], mask=inside[:, None] & column_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + columns[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & column_mask[None, :],
+    )
+
+
+@dataclass(frozen=True)
+class InvariantRMSNorm:
+    """A Hugging Face RMSNorm (Llama's, Mistral's, Qwen's) run on the batch-invariant kernel: the same
+    arithmetic (float32 sum of squares, the scale cast back, times the weight in its dtype)."""
+
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, norm: torch.nn.Module) -> InvariantRMSNorm:
+        return cls(norm.weight.detach(), float(norm.variance_epsilon))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, self.weight.dtype), device=x.device)
+        if rows.shape[0]:
+            _rms_norm[(rows.shape[0],)](
+                rows,
+                self.weight,
+                out,
+                width,
+                rows.stride(0),
+                out.stride(0),
+                self.eps,
+                BLOCK=triton.next_power_of_2(width),
+            )
+        return out.view(*x.shape[:-1], width)
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, width, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    mask = columns < width
+    x = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0)
+    wide = x.to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(wide * wide, 0) / width + eps)
+    normed = (wide * scale).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + columns, mask=mask, other=0.0)
+    tl.store(
+        out_ptr + row * out_row_stride + columns,
+        (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
