@@ -1,11 +1,13 @@
 """Batch-invariant linear layers and RMSNorm on a GPU, in Triton: a token's numbers depend on that
 token's inputs alone, not on how many rows its step has.
 
-torch's CUDA kernels pick their work split by shape: cuBLAS chooses a GEMM kernel (tile, split-K) by
-the row count, and the reduction behind RMSNorm's mean spreads a row over 512 threads when it is
-alone and over 32 when 256 rows share a launch. So a decode's logits changed with the batch it ran
-in and the graph bucket it was padded to, and a greedy token with them where two logits nearly tie.
-These kernels fix the order for every row count: a linear layer's output element is one chain of
+cuBLAS chooses a GEMM kernel (tile, split-K) by the row count: on an H100 a down projection's rows
+came out other bits in a step of 256 or 2048 rows than alone (bench/invariant_linear.py). So a
+decode's logits changed with the batch it ran in and the graph bucket it was padded to, and a greedy
+token with them where two logits nearly tie. torch's RMSNorm gave the same bits at every row count
+there, but its reduction's launch shape follows the tensor's and nothing promises that; here it is
+one program a row, and one kernel instead of Hugging Face's eight. These kernels fix the order for
+every row count: a linear layer's output element is one chain of
 BLOCK_K-wide dot products over k in increasing order, accumulated in float32 (BLOCK_K never
 changes); a norm's row is summed by one program with a block as wide as the row. The row and column
 tiles (`linear_config`) only choose which program computes an element, and are picked by the step's
@@ -62,7 +64,8 @@ class InvariantLinear:
 
     @classmethod
     def of(cls, linear: torch.nn.Linear, out_dtype: torch.dtype | None = None) -> InvariantLinear:
-        return cls(linear.weight.detach(), linear.bias, out_dtype or linear.weight.dtype)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(linear.weight.detach(), bias, out_dtype or linear.weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = invariant_linear(x, self.weight, self.out_dtype)
