@@ -3,13 +3,18 @@
     python bench/invariant_linear.py                       # Llama-1B's layers, bfloat16
     python bench/invariant_linear.py --shape llama-8b
     python bench/invariant_linear.py --tiles 16x16 128x64 128x128x8   # other tiles: BLOCK_MxBLOCK_N[xWARPS]
+    python bench/invariant_linear.py --graphs --tiles 64x16x4x6x128    # calls replayed from a CUDA graph
 
 For each layer (q, k, v, o, gate, up, down, the head) and row count (a decode step of 1 to 256 rows, a
 prefill step of 2048 tokens) it reports microseconds per call, the best of `--repeats` CUDA-event
-timings, for torch and for the kernel; the RMSNorm likewise. A last column says whether every row's
-bits are the same as when that row is computed alone: always for the kernel (its point), and for
-torch on this GPU as measured. `--tiles` adds columns for other tiles, and whether their bits equal
-the default tiles' bits (if they do on a GPU, a tile chosen by row count would keep invariance there).
+timings, for torch and for the kernel; the RMSNorm likewise. Launched one by one, calls of up to a few
+hundred rows are launch-bound (30 to 45 µs a call on the H100 machine); `--graphs` replays them from a
+CUDA graph, as a decode step does, which is the timing to tune the decode tiles by. A last column
+says whether every row's bits are the same as when that row is computed alone: always for the
+kernel (its point), and for torch on this GPU as measured. `--tiles` adds columns for other tiles,
+and whether their bits equal the default tiles' bits (a tile chosen by row count keeps invariance
+only where they do; a BLOCK_K other than the default changes the order of the sums, so only a
+layer's own shape may choose it).
 """
 
 from __future__ import annotations
@@ -33,13 +38,27 @@ SHAPES = {
 ROWS = (1, 16, 64, 256, 2048)
 
 
-def _time_us(fn, repeats: int) -> float:
+def _time_us(fn, repeats: int, graph: bool) -> float:
+    """µs a call, the best of `repeats` timings of 10 calls: launched one by one, or (graph) replayed
+    from one CUDA graph of the 10, as a decode step runs them, so no launch cost is counted."""
+    fn()
+    run = fn
+    if graph:
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(10):
+                fn()
+        run = captured.replay
     best = float("inf")
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(10):
-            fn()
+        if graph:
+            run()
+        else:
+            for _ in range(10):
+                run()
         end.record()
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 100)
@@ -55,7 +74,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=SHAPES, default="llama-1b")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--tiles", nargs="*", default=[], help="other BLOCK_MxBLOCK_N tiles to time")
+    parser.add_argument(
+        "--tiles", nargs="*", default=[], help="other tiles to time: BLOCK_MxBLOCK_N[xWARPS[xSTAGES[xBLOCK_K]]]"
+    )
+    parser.add_argument("--graphs", action="store_true", help="time calls replayed from a CUDA graph")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -67,7 +89,7 @@ def main() -> None:
         "down": (hidden, intermediate),
         "head": (vocab, hidden),
     }
-    extra = [[*map(int, t.split("x")), 0][:3] for t in args.tiles]
+    extra = [[*map(int, t.split("x")), 0, 0, 0][:5] for t in args.tiles]
     print(f"{args.shape} on {torch.cuda.get_device_name()}, bfloat16, µs a call (best of {args.repeats} x 10)")
     header = "| layer | rows | torch | kernel | kernel / torch | torch rows invariant |"
     header += "".join(f" {t} | same bits |" for t in args.tiles)
@@ -87,7 +109,8 @@ def main() -> None:
                 return invariant_linear(x, weight, out_dtype)
 
             assert _alone_equal(kernel, x), (name, rows)
-            t_torch, t_kernel = _time_us(torch_linear, args.repeats), _time_us(kernel, args.repeats)
+            t_torch = _time_us(torch_linear, args.repeats, args.graphs)
+            t_kernel = _time_us(kernel, args.repeats, args.graphs)
             torch.testing.assert_close(kernel().float(), torch_linear().float(), rtol=2e-2, atol=2e-2)
             totals.setdefault(rows, [0.0, 0.0])
             # A forward's calls of this shape: q and o, k and v, gate and up per layer; down per layer; one head.
@@ -97,14 +120,16 @@ def main() -> None:
             line = f"| {name} | {rows} | {t_torch:.1f} | {t_kernel:.1f} | {t_kernel / t_torch:.2f} | "
             line += f"{_alone_equal(torch_linear, x)} |"
             reference = kernel()
-            for block_m, block_n, warps in extra:
+            for block_m, block_n, warps, stages, block_k in extra:
                 base = linear_config(out_features, rows)
-                config = LinearConfig(block_m, block_n, base.block_k, warps or base.num_warps, base.num_stages)
+                config = LinearConfig(
+                    block_m, block_n, block_k or base.block_k, warps or base.num_warps, stages or base.num_stages
+                )
 
                 def tiled(x=x, config=config):
                     return invariant_linear(x, weight, out_dtype, config)
 
-                line += f" {_time_us(tiled, args.repeats):.1f} | {torch.equal(tiled(), reference)} |"
+                line += f" {_time_us(tiled, args.repeats, args.graphs):.1f} | {torch.equal(tiled(), reference)} |"
             print(line)
     print()
     print("| rows | a forward's linear layers, torch µs | kernel µs | kernel / torch |")
@@ -121,8 +146,8 @@ def main() -> None:
     for rows in ROWS:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         assert _alone_equal(kernel_norm, x)
-        t_hf = _time_us(lambda x=x: hf_norm(x), args.repeats)
-        t_kernel = _time_us(lambda x=x: kernel_norm(x), args.repeats)
+        t_hf = _time_us(lambda x=x: hf_norm(x), args.repeats, args.graphs)
+        t_kernel = _time_us(lambda x=x: kernel_norm(x), args.repeats, args.graphs)
         print(f"| {rows} | {t_hf:.1f} | {t_kernel:.1f} | {_alone_equal(hf_norm, x)} |")
 
 
