@@ -38,6 +38,9 @@ class TokenBytes:
 
     def __init__(self, table: list[bytes]) -> None:
         self._table = table
+        # Each token's text where its bytes are whole UTF-8 characters on their own, else None: the
+        # detokenizer's fast path for a token that starts on a character boundary.
+        self.texts: list[str | None] = [_whole_text(b) for b in table]
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> TokenBytes:
@@ -72,6 +75,13 @@ class TokenBytes:
         return b"".join(table[t] if 0 <= t < len(table) else b"" for t in token_ids)
 
 
+def _whole_text(token: bytes) -> str | None:
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _decoder_kinds(decoder: dict) -> set[str]:
     kinds = {decoder.get("type", "")}
     for child in decoder.get("decoders", []) or []:
@@ -84,14 +94,26 @@ class IncrementalDetokenizer:
 
     def __init__(self, token_bytes: TokenBytes) -> None:
         self._token_bytes = token_bytes
+        self._texts = token_bytes.texts
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Whether the UTF-8 decoder holds the start of an unfinished character.
+        self._holding = False
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text completed by these tokens; an unfinished multi-byte character is held back."""
-        return self._utf8.decode(self._token_bytes.join(token_ids))
+        if len(token_ids) == 1 and not self._holding:
+            # One token, nothing held: most steps of a stream. Its text, when its bytes are whole
+            # characters, is what the decoder would return, without the join and the decoder's call.
+            token_id = token_ids[0]
+            if 0 <= token_id < len(self._texts) and (text := self._texts[token_id]) is not None:
+                return text
+        text = self._utf8.decode(self._token_bytes.join(token_ids))
+        self._holding = bool(self._utf8.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """Release what is held; a character that never completed becomes U+FFFD."""
+        self._holding = False
         return self._utf8.decode(b"", final=True)
 
 
