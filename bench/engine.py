@@ -54,9 +54,9 @@ def prompt_ids(state: ServerState, index: int) -> list[int]:
     ]
 
 
-def raw_forward(state: ServerState, batch: int, steps: int) -> float:
-    """Decode tokens/s of the bare paged forward at `batch`, after prefilling the prompts."""
-    engine = state.engine
+def raw_requests(state: ServerState, batch: int, steps: int) -> list[Request]:
+    """`batch` requests of the benchmark's prompts with cache blocks for `steps` decode steps, outside
+    the scheduler; the caller deallocates them."""
     params = SamplingParams(max_tokens=steps, temperature=0.0)
     requests = []
     for i in range(batch):
@@ -68,25 +68,46 @@ def raw_forward(state: ServerState, batch: int, steps: int) -> float:
             detokenizer=IncrementalDetokenizer(state.loaded.token_bytes),
             stop_matcher=StopMatcher(()),
         )
-        engine.block_manager.allocate(request, request.num_tokens + steps)
+        state.engine.block_manager.allocate(request, request.num_tokens + steps)
         requests.append(request)
+    return requests
+
+
+def prefill_segments(requests: list[Request]) -> list[Segment]:
+    """Each request's whole prompt, its last token's logits wanted."""
+    return [Segment(r, 0, r.token_ids, Logits.LAST) for r in requests]
+
+
+def decode_segments(requests: list[Request], token_ids: list[int]) -> list[Segment]:
+    """Each request's next token appended, and its decode."""
+    segments = []
+    for request, token_id in zip(requests, token_ids):
+        request.token_ids.append(token_id)
+        segments.append(Segment(request, request.num_tokens - 1, [token_id], Logits.LAST))
+    return segments
+
+
+def greedy_tokens(state: ServerState, segments: list[Segment]) -> list[int]:
+    """One forward of the bare runner over `segments`; each segment's argmax token."""
+    return state.engine.runner.run(segments).logits.argmax(dim=-1).tolist()
+
+
+def raw_forward(state: ServerState, batch: int, steps: int) -> float:
+    """Decode tokens/s of the bare paged forward at `batch`, after prefilling the prompts."""
+    requests = raw_requests(state, batch, steps)
     try:
-        segments = [Segment(r, 0, r.token_ids, Logits.LAST) for r in requests]
-        next_ids = engine.runner.run(segments).logits.argmax(dim=-1).tolist()
+        next_ids = greedy_tokens(state, prefill_segments(requests))
         elapsed = 0.0
         for step in range(steps):
-            segments = []
-            for request, token_id in zip(requests, next_ids):
-                request.token_ids.append(token_id)
-                segments.append(Segment(request, request.num_tokens - 1, [token_id], Logits.LAST))
+            segments = decode_segments(requests, next_ids)
             start = time.perf_counter()
-            next_ids = engine.runner.run(segments).logits.argmax(dim=-1).tolist()
+            next_ids = greedy_tokens(state, segments)
             if step:  # the first step warms this batch shape up
                 elapsed += time.perf_counter() - start
         return batch * (steps - 1) / elapsed
     finally:
         for request in requests:
-            engine.block_manager.deallocate(request)
+            state.engine.block_manager.deallocate(request)
 
 
 async def engine_level(state: ServerState, concurrency: int, args: argparse.Namespace) -> dict:

@@ -26,41 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.settings import Settings  # noqa: E402
 from app.state import build_state  # noqa: E402
-from bench.engine import prompt_ids  # noqa: E402
+from bench.engine import decode_segments, greedy_tokens, prefill_segments, raw_requests  # noqa: E402
 from bench.gpu import SHAPES, shape_folder  # noqa: E402
-from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from engine.model.runner import Logits, Segment  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
 
 
 def profile_batch(state, batch: int, steps: int, top: int) -> None:
-    engine = state.engine
     # Warm-up, timed and profiled steps.
-    num_steps = 5 + 2 * steps
-    params = SamplingParams(max_tokens=num_steps, temperature=0.0)
-    requests = []
-    for i in range(batch):
-        request = Request(
-            request_id=f"profile-{i}",
-            prompt_token_ids=prompt_ids(state, i),
-            params=params,
-            channel=None,
-            detokenizer=IncrementalDetokenizer(state.loaded.token_bytes),
-            stop_matcher=StopMatcher(()),
-        )
-        engine.block_manager.allocate(request, request.num_tokens + num_steps)
-        requests.append(request)
+    requests = raw_requests(state, batch, 5 + 2 * steps)
 
     def step(next_ids):
-        segments = []
-        for request, token_id in zip(requests, next_ids):
-            request.token_ids.append(token_id)
-            segments.append(Segment(request, request.num_tokens - 1, [token_id], Logits.LAST))
-        return engine.runner.run(segments).logits.argmax(dim=-1).tolist()
+        return greedy_tokens(state, decode_segments(requests, next_ids))
 
     try:
-        segments = [Segment(r, 0, r.token_ids, Logits.LAST) for r in requests]
-        next_ids = engine.runner.run(segments).logits.argmax(dim=-1).tolist()
+        next_ids = greedy_tokens(state, prefill_segments(requests))
         for _ in range(5):
             next_ids = step(next_ids)
         start = time.perf_counter()
@@ -73,7 +51,7 @@ def profile_batch(state, batch: int, steps: int, top: int) -> None:
             torch.cuda.synchronize()
     finally:
         for request in requests:
-            engine.block_manager.deallocate(request)
+            state.engine.block_manager.deallocate(request)
     kernels: dict[str, list[float]] = defaultdict(list)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
