@@ -5,10 +5,12 @@
 // 256-token block, and a two-level inverse-CDF draw (the block, then the token inside it). Where the
 // output head's kernel gave each block's max (sl_linear), a greedy row reads only the block holding
 // its max and a sampled row skips the max pass: no pass over the row's logits just for its max.
-// Top-k cuts at the k-th largest weight, found with a k-heap behind a vector compare; min-p at a
-// floor; top-p by rejection with no sort: a drawn token is kept when the mass heavier than it is
-// below top_p, otherwise every token as light as it goes and the row draws again. The pass that
-// sums the heavier mass also gives the next draw's block sums, so a round is one vector pass.
+// Top-k cuts at the k-th largest weight, found among the weights no lighter than the k-th largest
+// block max (a k-heap behind a vector compare where k is more than the blocks); min-p at a floor;
+// top-p by rejection with no sort: a drawn token is kept when the mass heavier than it is below
+// top_p, otherwise every token as light as it goes and the row draws again. The pass that sums the
+// heavier mass stops once the blocks left cannot reach top_p, and when it runs to the end it gives
+// the next draw's block sums, so a round is at most one vector pass.
 //
 // Every reduction of a row runs in an order fixed by that row alone, and the uniforms are the
 // counter-based ones of engine/sampling/draws.py, so a row's token never depends on its batch,
@@ -27,6 +29,7 @@
 namespace {
 
 using sluice::exp2_256_nonpositive;
+using sluice::hmax;
 using sluice::hsum;
 using sluice::row_max;
 
@@ -75,8 +78,10 @@ __m256i tail_mask(int64_t left) {
 }
 
 // w = exp((x - m) * inverse_t), as 2^((x - m) * inverse_t * log2(e)), zero below 2^-125 and past n
-// (w holds n rounded up to 8); returns the row's mass and leaves each block's float sum in `blocks`.
-double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, float* blocks) {
+// (w holds n rounded up to 8); returns the row's mass and leaves each block's float sum in `blocks`,
+// and with kBlockMax each block's largest weight in `block_max` (for top-k; one max a vector).
+template <bool kBlockMax>
+double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, float* blocks, float* block_max) {
   const __m256 top = _mm256_set1_ps(m);
   const __m256 scale = _mm256_set1_ps(static_cast<float>(static_cast<double>(inverse_t) * 1.4426950408889634));
   const __m256 lowest = _mm256_set1_ps(-125.0f);
@@ -89,7 +94,7 @@ double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, f
   double total = 0.0;
   for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
     const int64_t end = std::min(start + kBlock, n);
-    __m256 acc = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps(), odd = _mm256_setzero_ps(), high = _mm256_setzero_ps();
     int64_t i = start;
     // Two vectors per round, summed apart (even and odd vectors, joined at the block's end): the
     // out-of-order core gets two exp chains at once and no add waits on the one before it.
@@ -99,6 +104,7 @@ double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, f
       _mm256_storeu_ps(w + i + 8, e1);
       acc = _mm256_add_ps(acc, e0);
       odd = _mm256_add_ps(odd, e1);
+      if constexpr (kBlockMax) high = _mm256_max_ps(high, _mm256_max_ps(e0, e1));
     }
     acc = _mm256_add_ps(acc, odd);
     for (; i < end; i += 8) {
@@ -106,36 +112,70 @@ double exp_pass(const float* x, int64_t n, float m, float inverse_t, float* w, f
       const __m256 e = _mm256_and_ps(weight(_mm256_maskload_ps(x + i, lanes)), _mm256_castsi256_ps(lanes));
       _mm256_storeu_ps(w + i, e);
       acc = _mm256_add_ps(acc, e);
+      if constexpr (kBlockMax) high = _mm256_max_ps(high, e);
     }
     blocks[b] = hsum(acc);
+    if constexpr (kBlockMax) block_max[b] = hmax(high);
     total += blocks[b];
   }
   return total;
 }
 
-// Each block's float sum of the weights >= lo, and the row's mass (their sum, in block order).
-double block_sums(const float* w, int64_t n, float lo, float* blocks) {
+// The float sum of w[start, end)'s weights >= lo, in exp_pass's order, so the same weights give
+// the same sum (and a floor can only lower it: every partial sum is rounded from smaller terms).
+float block_sum(const float* w, int64_t start, int64_t end, float lo) {
   const __m256 floor = _mm256_set1_ps(lo);
+  auto kept = [&](int64_t i) {
+    const __m256 v = _mm256_loadu_ps(w + i);
+    return _mm256_and_ps(v, _mm256_cmp_ps(v, floor, _CMP_GE_OQ));
+  };
+  __m256 acc = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  int64_t i = start;
+  for (; i + 16 <= end; i += 16) {
+    acc = _mm256_add_ps(acc, kept(i));
+    odd = _mm256_add_ps(odd, kept(i + 8));
+  }
+  acc = _mm256_add_ps(acc, odd);
+  for (; i < end; i += 8) acc = _mm256_add_ps(acc, kept(i));
+  return hsum(acc);
+}
+
+// Each block's float sum of the weights >= lo, and the row's mass (their sum, in block order).
+// Given each block's largest weight, the blocks with none >= lo are not read: their sum is 0.
+double block_sums(const float* w, int64_t n, float lo, float* blocks, const float* block_max = nullptr) {
   double total = 0.0;
   for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
-    const int64_t end = std::min(start + kBlock, n);
-    auto kept = [&](int64_t i) {
-      const __m256 v = _mm256_loadu_ps(w + i);
-      return _mm256_and_ps(v, _mm256_cmp_ps(v, floor, _CMP_GE_OQ));
-    };
-    // In exp_pass's order, so the same weights give the same sums.
-    __m256 acc = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    int64_t i = start;
-    for (; i + 16 <= end; i += 16) {
-      acc = _mm256_add_ps(acc, kept(i));
-      odd = _mm256_add_ps(odd, kept(i + 8));
-    }
-    acc = _mm256_add_ps(acc, odd);
-    for (; i < end; i += 8) acc = _mm256_add_ps(acc, kept(i));
-    blocks[b] = hsum(acc);
+    const bool empty = block_max != nullptr && block_max[b] < lo;
+    blocks[b] = empty ? 0.0f : block_sum(w, start, std::min(start + kBlock, n), lo);
     total += blocks[b];
   }
   return total;
+}
+
+// Whether the mass of the weights >= lo is below `target`, as block_sums would sum it, reading only
+// as many blocks as it takes: `bounds` holds each block's sum at a lower floor, so the blocks not
+// yet read can add at most theirs (with a margin far above the doubles' rounding). A mass not
+// below comes out of a full pass, so `blocks` then holds block_sums's sums at lo.
+bool mass_below(const float* w, int64_t n, float lo, double target, const float* bounds, float* blocks) {
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  double unread = 0.0;
+  for (int64_t b = 0; b < num_blocks; ++b) unread += bounds[b];
+  const double margin = 1e-9 * unread;
+  double total = 0.0;
+  bool below = false;
+  for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
+    // A block with nothing at the lower floor has nothing at this one.
+    blocks[b] = bounds[b] > 0.0f ? block_sum(w, start, std::min(start + kBlock, n), lo) : 0.0f;
+    total += blocks[b];
+    unread -= bounds[b];
+    if (total + unread + margin < target) {
+      below = true;
+      break;
+    }
+  }
+  // Summed to the end: decided exactly as block_sums's total would be (the heaviest token, with
+  // nothing heavier, is always in the nucleus).
+  return below || total < target || total <= 0.0;
 }
 
 // The k-th largest weight (0 < k < n): a min-heap of the k largest so far, and a vector compare
@@ -159,6 +199,28 @@ float kth_largest(const float* w, int64_t n, int64_t k, std::vector<float>& heap
   }
   for (; i < n; ++i) consider(w[i]);
   return smallest;
+}
+
+// The same for k no more than the blocks, given each block's largest weight: the k blocks with the
+// largest hold k weights at least as large as the k-th of them, so only the weights that large can
+// be the k-th largest, and only the blocks whose max is that large hold any.
+float kth_largest_by_blocks(const float* w, int64_t n, int64_t k, const float* block_max, int64_t num_blocks,
+                            std::vector<float>& values) {
+  values.assign(block_max, block_max + num_blocks);
+  std::nth_element(values.begin(), values.begin() + k - 1, values.end(), std::greater<float>());
+  const float lo = values[k - 1];
+  const __m256 floor = _mm256_set1_ps(lo);
+  values.clear();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    if (block_max[b] < lo) continue;
+    // w holds n rounded up to 8, zero past n, and lo is a block's max weight, so above zero.
+    for (int64_t i = b * kBlock, end = std::min(n, (b + 1) * kBlock); i < end; i += 8) {
+      int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + i), floor, _CMP_GE_OQ));
+      for (; bits; bits &= bits - 1) values.push_back(w[i + __builtin_ctz(bits)]);
+    }
+  }
+  std::nth_element(values.begin(), values.begin() + k - 1, values.end(), std::greater<float>());
+  return values[k - 1];
 }
 
 // One token among the weights >= lo by inverse CDF at u: the block whose running mass passes
@@ -209,7 +271,7 @@ float nucleus_floor(const float* w, int64_t n, float lo, double target, std::vec
 }
 
 struct Workspace {
-  std::vector<float> weights, blocks, scratch;
+  std::vector<float> weights, blocks, bounds, scratch;
 };
 
 // `maxima`: each block's largest value of x, where the output head's kernel gave them (else null).
@@ -221,15 +283,22 @@ int64_t sample_row(const float* x, int64_t n, const float* maxima, float inverse
   if (m == -INFINITY) return 0;
   space.weights.resize((n + 7) / 8 * 8);
   space.blocks.resize(num_blocks);
+  space.bounds.resize(num_blocks);
   float* w = space.weights.data();
   float* blocks = space.blocks.data();
-  double mass = exp_pass(x, n, m, inverse_t, w, blocks);
+  float* bounds = space.bounds.data();
+  const bool cuts_top_k = top_k > 0 && top_k < n;
+  // A top-k row's block maxima go to `bounds`, free until the nucleus test.
+  const bool by_blocks = cuts_top_k && top_k <= num_blocks;
+  double mass = by_blocks ? exp_pass<true>(x, n, m, inverse_t, w, blocks, bounds)
+                          : exp_pass<false>(x, n, m, inverse_t, w, blocks, nullptr);
   // Order as in vLLM: top-k, then top-p over what top-k kept, then min-p (of the best token's
   // weight, which is 1).
   float lo = 0.0f;
-  if (top_k > 0 && top_k < n) {
-    lo = kth_largest(w, n, top_k, space.scratch);
-    mass = block_sums(w, n, lo, blocks);
+  if (cuts_top_k) {
+    lo = by_blocks ? kth_largest_by_blocks(w, n, top_k, bounds, num_blocks, space.scratch)
+                   : kth_largest(w, n, top_k, space.scratch);
+    mass = block_sums(w, n, lo, blocks, by_blocks ? bounds : nullptr);
   }
   const double target = mass * static_cast<double>(top_p);
   if (min_p > lo) {
@@ -241,9 +310,9 @@ int64_t sample_row(const float* x, int64_t n, const float* maxima, float inverse
   if (top_p >= 1.0f) return token;
   while (true) {
     const float above = nextafterf(w[token], INFINITY);
-    const double heavier = block_sums(w, n, above, blocks);
-    // The heaviest token is always in the nucleus.
-    if (heavier < target || heavier <= 0.0) return token;
+    // The blocks' sums at lo bound their sums above the drawn token.
+    std::copy(blocks, blocks + num_blocks, bounds);
+    if (mass_below(w, n, above, target, bounds, blocks)) return token;
     // Outside: it and everything as light are dropped, and the heavier tokens are drawn among.
     lo = above;
     if (++lane == kMaxRounds) {

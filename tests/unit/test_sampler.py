@@ -103,6 +103,18 @@ def test_top_k_keeps_the_k_best_renormalized():
     assert chi_square(frequencies(dict(temperature=1.0, top_k=3), logits), expected) < CRITICAL[2]
 
 
+def test_top_k_over_many_blocks_keeps_the_k_best_renormalized():
+    # 1,024 tokens in 4 blocks of 256, k no more than the blocks (the kernel looks for the k-th
+    # largest among the blocks' maxima first): two of the best three sharing a block, the fourth
+    # best heading a block of its own; then the best three each heading a block.
+    for best in ([3, 10, 600, 900], [3, 300, 600, 700]):
+        logits = torch.full((1, 1024), -12.0)
+        logits[0, best] = torch.log(torch.tensor([0.4, 0.25, 0.2, 0.1]))
+        counts = frequencies(dict(temperature=1.0, top_k=3), logits)
+        assert counts.sum() == counts[best[:3]].sum()
+        assert chi_square(counts[best[:3]], torch.tensor([0.4, 0.25, 0.2]) / 0.85) < CRITICAL[2]
+
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # Sorted 0.4, 0.25, 0.2, 0.1, 0.05: mass before 0.1 is 0.85 >= 0.8, so 0.1 and 0.05 go.
     logits = torch.log(torch.tensor([[0.1, 0.4, 0.05, 0.25, 0.2]]))
