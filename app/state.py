@@ -14,6 +14,7 @@ from app.operations.accounting import Accounting, RequestContext
 from app.operations.admission import Admission, load_api_keys
 from app.operations.audit import AuditLog
 from app.operations.metrics import Metrics
+from app.operations.sends import SendBatch
 from app.serving.protocol import ServingLimits
 from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry
@@ -212,7 +213,7 @@ def build_state(settings: Settings) -> ServerState:
             stream_interval=settings.stream_interval,
             max_tokens_limit=settings.max_tokens_limit,
         ),
-        streams=StreamRegistry(settings.resume_window_seconds),
+        streams=StreamRegistry(settings.resume_window_seconds, SendBatch.build(settings.cache_dir)),
         responses=ResponseStore(settings.response_retention, engine.unpin),
         api_keys=load_api_keys(settings),
         admission=Admission(settings.max_queue, sizing.max_num_seqs),

@@ -3,6 +3,7 @@
     python bench/hostcost.py                                     # 1, 64, 256, 512 streams, greedy
     python bench/hostcost.py --temperature 0.7 --top-p 0.9 --concurrency 256
     python bench/hostcost.py --flags "--stream-interval 16" --no-http
+    python bench/hostcost.py --stub-step-ms 4 --concurrency 256   # as on a GPU: see stub_accelerator.py
 
 The model is a random-weight Llama (hidden 64, 2 layers, 4 heads) with the default model's
 tokenizer and its 49,152-token vocabulary, made once under `--cache-dir`: the forward then
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.settings import Settings  # noqa: E402
 from app.state import ServerState  # noqa: E402
-from bench import serve  # noqa: E402
+from bench import serve, stub_accelerator  # noqa: E402
 from bench.engine import prompt_ids, raw_forward, start_engine_thread  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -405,6 +406,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--no-http", action="store_true")
+    parser.add_argument(
+        "--stub-step-ms",
+        type=float,
+        help="replace the forward by bench/stub_accelerator.py's (a step in this many ms with the GIL released)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     parser.add_argument("--out", default="bench/results/hostcost.json")
     args = parser.parse_args()
@@ -414,9 +420,13 @@ def main() -> None:
     flags = f"--model {folder} --max-num-seqs {seats} --max-num-batched-tokens 4096 {args.flags}"
     settings = CliApp.run(Settings, cli_args=shlex.split(flags))
     torch.set_grad_enabled(False)
+    entry: tuple[str, ...] = ("-m", "app")
+    if args.stub_step_ms is not None:
+        stub_accelerator.install(args.stub_step_ms)
+        entry = (str(Path(stub_accelerator.__file__)), "--step-ms", str(args.stub_step_ms))
     # The server starts first and idles through the raw and engine rounds; its engine thread sleeps until
     # a request comes.
-    proc, base = serve.spawn(flags) if not args.no_http else (None, None)
+    proc, base = serve.spawn(flags, entry) if not args.no_http else (None, None)
     try:
         results = run_levels(args, settings, base, proc.pid if proc is not None else None)
     finally:

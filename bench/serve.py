@@ -284,10 +284,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(flags: str) -> tuple[subprocess.Popen, str]:
+def spawn(flags: str, entry: tuple[str, ...] = ("-m", "app")) -> tuple[subprocess.Popen, str]:
+    """A Sluice server with `flags` on a free port; `entry` is what Python runs (a script that
+    wraps the server, as bench/stub_accelerator.py does)."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
+    command = [sys.executable, *entry, "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
     proc = subprocess.Popen(command, env=env)
     base = f"http://127.0.0.1:{port}"
     peers.wait_until_healthy(proc, base, f"sluice {flags!r}")

@@ -26,6 +26,8 @@ import socket
 from starlette.types import Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from app.operations.sends import SendBatch
+
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle as HttpToolsCycle
@@ -51,19 +53,25 @@ def bounded_http_protocol(write_buffer_bytes: int) -> type[asyncio.Protocol]:
 
 class BodyWriter:
     """Chunks of one chunked response body, written to its connection as uvicorn's httptools
-    `send` writes them (`<hex length>\\r\\n<body>\\r\\n`), while `send` would not wait."""
+    `send` writes them (`<hex length>\\r\\n<body>\\r\\n`), while `send` would not wait; staged in
+    a SendBatch where there is one and the connection is a plain socket (not TLS)."""
 
-    def __init__(self, cycle: HttpToolsCycle) -> None:
+    def __init__(self, cycle: HttpToolsCycle, sends: SendBatch | None = None) -> None:
         self._cycle = cycle
+        transport = cycle.transport
+        sock = transport.get_extra_info("socket")
+        plain = sock is not None and transport.get_extra_info("sslcontext") is None
+        self._sends = sends if plain else None
+        self._fd = sock.fileno() if plain else -1
 
     @classmethod
-    def of(cls, send: Send) -> BodyWriter | None:
+    def of(cls, send: Send, sends: SendBatch | None = None) -> BodyWriter | None:
         """The writer behind uvicorn's own `send`; None for any other (h11, a wrapped `send`, a test
         client), whose streams keep to `send` alone."""
         cycle = getattr(send, "__self__", None)
         if HttpToolsCycle is None or type(cycle) is not HttpToolsCycle:
             return None
-        return cls(cycle)
+        return cls(cycle, sends)
 
     def write(self, body: bytes) -> bool:
         """Write one chunk of the body; False, having written nothing, where `send` would wait for the
@@ -78,5 +86,9 @@ class BodyWriter:
             or cycle.transport.is_closing()
         ):
             return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        framed = b"%x\r\n%b\r\n" % (len(body), body)
+        if self._sends is not None:
+            self._sends.stage(cycle.transport, self._fd, framed)
+        else:
+            cycle.transport.write(framed)
         return True

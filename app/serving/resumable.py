@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 
+from app.operations.sends import SendBatch
 from app.operations.transport import BodyWriter
 from app.serving.event_log import EventLog
 from app.serving.streaming import Generation, sse_event
@@ -78,8 +79,9 @@ class ResumableStream:
 class StreamRegistry:
     """Every streamed generation in flight, by completion id; owned by the event loop."""
 
-    def __init__(self, window_seconds: float) -> None:
+    def __init__(self, window_seconds: float, sends: SendBatch | None = None) -> None:
         self.window_seconds = window_seconds
+        self._sends = sends
         self._live: dict[str, Generation] = {}
         self._resumable: dict[str, ResumableStream] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -87,7 +89,7 @@ class StreamRegistry:
     def serve(self, generation: Generation, resumable: bool) -> AsyncIterator[bytes]:
         """The numbered SSE events of a new stream."""
         if not resumable:
-            return PlainStream(generation, self._live)
+            return PlainStream(generation, self._live, self._sends)
         stream = ResumableStream(generation, self)
         self._resumable[generation.completion_id] = stream
         task = asyncio.get_running_loop().create_task(stream.run())
@@ -134,8 +136,10 @@ class PlainStream:
     wait for, goes the general way, through `events` and `send`, numbered from the same count.
     """
 
-    def __init__(self, generation: Generation, live: dict[str, Generation]) -> None:
+    def __init__(self, generation: Generation, live: dict[str, Generation], sends: SendBatch | None = None) -> None:
         self.generation = generation
+        # Where the response's BodyWriter stages what it writes through (see app/operations/sends.py).
+        self.sends = sends
         self._live = live
         self._num_events = 0
         self._body: BodyWriter | None = None

@@ -412,7 +412,7 @@ class _EventSourceResponse(EventSourceResponse):
         self._body_send = scope.get(BODY_SEND)
         write_through = getattr(self.body_iterator, "write_through", None)
         if write_through is not None and self._body_send is not None and self.send_timeout is None:
-            if body := BodyWriter.of(self._body_send):
+            if body := BodyWriter.of(self._body_send, getattr(self.body_iterator, "sends", None)):
                 write_through(body)
         await super().__call__(scope, receive, send)
 

@@ -40,6 +40,32 @@ def kernels_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))
 
 
+def build_shared_library(
+    cache_dir: Path, label: str, sources: tuple[Path, ...], headers: tuple[Path, ...], flags: tuple[str, ...]
+) -> Path | None:
+    """`sources` built with the system C++ compiler into a shared library cached under `cache_dir` by
+    a hash of its source and flags; None (with a warning naming `label`) where it cannot be built."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        logger.warning("no C++ compiler (c++ or g++) found to build %s", label)
+        return None
+    source = b"".join(path.read_bytes() for path in (*sources, *headers))
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_dir / "kernels" / f"{sources[0].stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_suffix(f".{os.getpid()}.partial")
+        command = [compiler, *flags, *map(str, sources), "-o", str(staging)]
+        logger.info("building %s: %s", label, " ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("building %s failed:\n%s", label, result.stderr[-2000:])
+            staging.unlink(missing_ok=True)
+            return None
+        staging.replace(target)
+    return target
+
+
 @functools.cache
 def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     """The compiled kernels, building them first if this machine has none yet; None (with a
@@ -47,24 +73,9 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     if not kernels_supported():
         logger.warning("Sluice's CPU kernels need an x86-64 CPU with AVX2 and FMA; using torch's")
         return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        logger.warning("no C++ compiler (c++ or g++) found to build Sluice's CPU kernels; using torch's")
+    target = build_shared_library(cache_dir, "Sluice's CPU kernels (using torch's)", _SOURCES, _HEADERS, _FLAGS)
+    if target is None:
         return None
-    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir / "kernels" / f"sluice-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_suffix(f".{os.getpid()}.partial")
-        command = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(staging)]
-        logger.info("building Sluice's CPU kernels: %s", " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building Sluice's CPU kernels failed; using torch's:\n%s", result.stderr[-2000:])
-            staging.unlink(missing_ok=True)
-            return None
-        staging.replace(target)
     library = ctypes.CDLL(str(target))
     library.sl_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P]
     library.sl_linear.restype = None
