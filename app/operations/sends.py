@@ -66,8 +66,8 @@ class SendBatch:
         if not direct:
             return
         sent = array("q", bytes(8 * len(direct)))
-        data = b"".join([d for _, d in direct])
-        self._send_all(len(direct), fds.buffer_info()[0], data, lengths.buffer_info()[0], sent.buffer_info()[0])
+        joined = b"".join([data for _, data in direct])
+        self._send_all(len(direct), fds.buffer_info()[0], joined, lengths.buffer_info()[0], sent.buffer_info()[0])
         for (transport, data), taken in zip(direct, sent):
             if taken < len(data):
-                transport.write(data[taken:] if taken else data)
+                transport.write(data[taken:])

@@ -1,5 +1,6 @@
 """Builds the kernels (invariant.cpp, sampling.cpp) once per machine with the system C++ compiler
-into one library, and loads it with ctypes.
+into one library, and loads it with ctypes; `build_shared_library` builds any other such library
+the same way (app/operations/sends.cpp).
 
 A plain shared library keeps the build to a second or two (no torch headers, no ninja) and
 the calls to a few microseconds each. The library is cached under the cache folder by a
