@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
@@ -33,8 +34,15 @@ def main() -> None:
     )
     server = DrainingServer(config, settings.shutdown_timeout)
     server.run()
-    if not server.started:
-        sys.exit(3)  # uvicorn's exit status for a failed start-up
+    status = 0 if server.started else 3  # uvicorn's exit status for a failed start-up
+    # Everything is shut down by now (streams ended, engine thread joined, audit log closed), so the
+    # interpreter's teardown is skipped: where Triton is installed (the dev extras; transformers
+    # imports it through torch._dynamo), its nanobind extension printed some 500 lines about objects
+    # still alive at teardown after every shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

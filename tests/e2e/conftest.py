@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import IO
 
 import httpx
 import pytest
@@ -18,15 +19,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
-    """A server process with these flags, once /health answers 200. On the CPU on every machine: what
-    these tests check (outputs that do not depend on the batch above all) is the CPU kernels' promise;
-    the GPU path has its own tests (tests/unit) and benchmark (bench/gpu.py)."""
+def start_server(*flags: str, stderr: IO[bytes] | None = None) -> tuple[subprocess.Popen, str]:
+    """A server process with these flags, once /health answers 200 (its stderr to `stderr` if given).
+    On the CPU on every machine: what these tests check (outputs that do not depend on the batch above
+    all) is the CPU kernels' promise; the GPU path has its own tests (tests/unit) and benchmark
+    (bench/gpu.py)."""
     port = _free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", SLUICE_CACHE_DIR=str(CACHE_DIR))
     proc = subprocess.Popen(
         [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", "--device", "cpu", *flags],
         env=env,
+        stderr=stderr,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
