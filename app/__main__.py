@@ -37,8 +37,8 @@ def main() -> None:
     status = 0 if server.started else 3  # uvicorn's exit status for a failed start-up
     # Everything is shut down by now (streams ended, engine thread joined, audit log closed), so the
     # interpreter's teardown is skipped: where Triton is installed (the dev extras; transformers
-    # imports it through torch._dynamo), its nanobind extension printed some 500 lines about objects
-    # still alive at teardown after every shutdown.
+    # imports it through torch._dynamo), its nanobind extension printed a screenful of warnings about
+    # some 580 objects still alive at teardown after every shutdown.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
