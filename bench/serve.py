@@ -284,13 +284,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(flags: str, entry: tuple[str, ...] = ("-m", "app")) -> tuple[subprocess.Popen, str]:
+def spawn(
+    flags: str, entry: tuple[str, ...] = ("-m", "app"), checkout: Path | None = None
+) -> tuple[subprocess.Popen, str]:
     """A Sluice server with `flags` on a free port; `entry` is what Python runs (a script that
-    wraps the server, as bench/stub_accelerator.py does)."""
+    wraps the server, as bench/stub_accelerator.py does), from `checkout` (another worktree, for
+    a before / after comparison) or this one."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     command = [sys.executable, *entry, "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
-    proc = subprocess.Popen(command, env=env)
+    proc = subprocess.Popen(command, env=env, cwd=checkout)
     base = f"http://127.0.0.1:{port}"
     peers.wait_until_healthy(proc, base, f"sluice {flags!r}")
     return proc, base

@@ -260,8 +260,8 @@ def test_sigterm_drains_running_streams_then_exits_zero(default_model_path, tmp_
             assert last["choices"][0]["finish_reason"] == "length"
         else:
             assert last["error"]["message"] == "the server is shutting down"
-    # A quiet exit: no traceback, and nothing from extensions' teardown (Triton's nanobind printed
-    # hundreds of lines of "leaked" objects after every shutdown where it is installed).
+    # A quiet exit: no traceback, and nothing from extensions' teardown (Triton's nanobind printed a
+    # screenful of "leaked" warnings after every shutdown where it is installed).
     stderr = (tmp_path / "stderr").read_text()
     assert "Traceback" not in stderr and "leaked" not in stderr, stderr[-2000:]
 
