@@ -23,7 +23,7 @@ async def resume_stream(
     if stream is None:
         raise OpenAIError(
             404,
-            f"No resumable stream `{completion_id}`: it finished, expired or was never resumable.",
+            f"No resumable stream `{completion_id}`: it was never resumable, was deleted, or its resume window passed.",
             param="completion_id",
             code="stream_not_found",
         )

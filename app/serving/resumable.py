@@ -3,8 +3,11 @@
 A resumable stream is read from its channel by a task of its own into an event
 log, so generation goes on while no client is connected; clients subscribe to
 the log from any event id. Nobody subscribed for the resume window: the request
-is cancelled and the log dropped. A plain stream is read by its response alone,
-and writes its text deltas straight to the connection where it can.
+is cancelled (unless it has finished) and the log dropped. A finished stream is
+kept that long too: the events a server writes, [DONE] included, can still be
+lost on their way when the connection breaks, and the client then comes back for
+them. A plain stream is read by its response alone, and writes its text deltas
+straight to the connection where it can.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class ResumableStream:
     def num_events(self) -> int:
         return len(self._log)
 
+    @property
+    def finished(self) -> bool:
+        """Every event is in the log, [DONE] last."""
+        return self._log.done
+
     async def run(self) -> None:
         """Read the whole generation into the log, whoever is listening."""
         try:
@@ -50,8 +58,6 @@ class ResumableStream:
         try:
             async for event_id, data in self._log.follow(after):
                 yield sse_event(event_id, data)
-            # A client has everything: nobody needs the log any more.
-            self._registry.forget(self)
         finally:
             self._detach()
 
@@ -72,7 +78,8 @@ class ResumableStream:
     def _expire(self) -> None:
         self._expiry = None
         if not self._subscribers:
-            self.cancel()
+            if not self.finished:
+                self.cancel()
             self._registry.forget(self)
 
 
@@ -101,9 +108,13 @@ class StreamRegistry:
         return self._resumable.get(completion_id)
 
     def cancel(self, completion_id: str) -> bool:
-        """Cancel a live stream of any kind; False when there is none by that id."""
+        """Cancel a live stream of any kind, or forget a finished one kept for resuming; False when
+        there is none by that id."""
         if stream := self._resumable.get(completion_id):
-            stream.cancel()
+            if stream.finished:
+                self.forget(stream)
+            else:
+                stream.cancel()
             return True
         if generation := self._live.get(completion_id):
             generation.channel.cancel()

@@ -156,8 +156,35 @@ def test_a_resumed_stream_has_no_gap_and_no_duplicate(flow_server, sampling):
     assert ids == list(range(1, len(ids) + 1))
     assert rest[-1].data == "[DONE]"
     assert texts(first + rest) == expected
-    # Fully delivered: the stream is gone.
-    assert httpx.get(f"{flow_server}/v1/streams/{completion_id}").status_code == 404
+
+
+def test_a_finished_stream_is_kept_for_the_window_after_its_last_reader(flow_server):
+    """Events written are not events received: a client whose connection broke after the server
+    wrote [DONE] comes back for the tail and gets it, as often as it asks, until the window passes."""
+    body = completion(max_tokens=20, resumable=True)
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
+        everything = read_events(response)
+    assert everything[-1].data == "[DONE]"
+    url = f"{flow_server}/v1/streams/{everything[0].json()['id']}"
+    for _ in range(2):
+        with httpx.stream("GET", url, headers={"Last-Event-ID": "3"}, timeout=60) as response:
+            assert response.status_code == 200
+            assert read_events(response) == everything[3:]
+    # --resume-window-seconds 3, counted from when its last reader left (every GET is a reader).
+    time.sleep(4)
+    assert httpx.get(url, headers={"Last-Event-ID": "3"}).status_code == 404
+
+
+def test_delete_forgets_a_finished_stream_kept_for_resuming(flow_server):
+    body = completion(max_tokens=5, resumable=True)
+    with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
+        completion_id = read_events(response)[0].json()["id"]
+    url = f"{flow_server}/v1/streams/{completion_id}"
+    assert httpx.get(url, headers={"Last-Event-ID": "1"}).status_code == 200
+    assert httpx.delete(url).status_code == 200
+    response = httpx.get(url, headers={"Last-Event-ID": "1"})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "stream_not_found"
+    assert httpx.delete(url).status_code == 404
 
 
 def test_nobody_back_within_the_window_cancels_and_frees(flow_server):
@@ -197,4 +224,7 @@ def test_delete_cancels_a_stream_from_another_client(flow_server, resumable):
     assert events[-1].data == "[DONE]"
     assert events[-2].json()["error"]["code"] == "cancelled"
     wait_until(lambda: health(flow_server)["kv_blocks_used"] == 0, timeout=15)
+    if resumable:
+        # Finished now, and kept for resuming: a second DELETE forgets it.
+        assert httpx.delete(f"{flow_server}/v1/streams/{completion_id}").status_code == 200
     assert httpx.delete(f"{flow_server}/v1/streams/{completion_id}").status_code == 404
