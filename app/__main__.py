@@ -31,6 +31,7 @@ def main() -> None:
         port=settings.port,
         log_level=settings.log_level,
         http=bounded_http_protocol(settings.write_buffer_kib * 1024),
+        timeout_keep_alive=settings.timeout_keep_alive,
     )
     server = DrainingServer(config, settings.shutdown_timeout)
     server.run()

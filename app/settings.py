@@ -98,7 +98,12 @@ class Settings(BaseSettings):
     """Per-connection socket and transport write buffer: how much a stalled client can leave unread
     before its stream backs up to the engine."""
     resume_window_seconds: float = Field(30.0, gt=0)
-    """How long a resumable stream waits for its client to come back before it is cancelled."""
+    """How long a resumable stream waits for its client to come back before it is cancelled; a finished
+    one is kept as long after its last reader leaves."""
+    timeout_keep_alive: float = Field(75.0, gt=0)
+    """Seconds an idle keep-alive connection stays open. Longer than the idle timeouts of clients' pools
+    and of proxies (httpx's, so the OpenAI SDK's, is 5 s; a load balancer's often 60 s): the side that
+    closes first must be the client, or a request sent as the server closes meets a dead connection."""
     response_retention: float = Field(3600.0, gt=0)
     """Seconds a stored response (`store: true` on /v1/responses) is kept: retrievable, resumable and
     continuable with `previous_response_id`; after it those get 404."""

@@ -4,6 +4,7 @@ control, request ids and the audit log, the OpenAPI document."""
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -50,6 +51,7 @@ def door(tmp_path_factory, default_model_path):
         "--max-request-bytes", "4096",
         "--max-tokens-limit", "64",
         "--audit-log", str(audit),
+        "--timeout-keep-alive", "3",
     )  # fmt: skip
     yield base, proc, audit
     proc.terminate()
@@ -111,6 +113,37 @@ def test_oversized_bodies_get_413_and_the_server_stays_healthy(door):
     )
     assert response.status_code == 413
     assert httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=2), headers=AUTH).is_success
+
+
+def health_on(sock: socket.socket) -> bytes:
+    """GET /health on an open connection: the response, or b"" when the server has closed it."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: sluice\r\n\r\n")
+    raw = b""
+    while not raw.endswith(b"}"):
+        part = sock.recv(65536)
+        if not part:
+            return raw
+        raw += part
+    return raw
+
+
+def test_an_idle_connection_stays_open_longer_than_clients_pools_keep_theirs(server):
+    """httpx's pool (the OpenAI SDK's) drops a connection after 5 s idle, as uvicorn's default closes
+    it: a request sent as the server closes fails. The server must be the side that waits longer."""
+    with socket.create_connection(server.removeprefix("http://").split(":")) as sock:
+        assert health_on(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        assert health_on(sock).startswith(b"HTTP/1.1 200")
+
+
+def test_the_keep_alive_timeout_closes_idle_connections(door):
+    base, _, _ = door
+    with socket.create_connection(base.removeprefix("http://").split(":")) as sock:
+        assert health_on(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)
+        assert health_on(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(4)  # --timeout-keep-alive 3
+        assert health_on(sock) == b""
 
 
 def test_max_tokens_is_capped_by_the_operator(door):
