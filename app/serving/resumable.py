@@ -33,7 +33,11 @@ class ResumableStream:
         self._registry = registry
         self._log: EventLog[str] = EventLog()
         self._subscribers = 0
-        self._expiry: asyncio.TimerHandle | None = None
+        # Counting from now, not from the first reader's leaving: a response closed before it read its
+        # first event never attaches, and the stream must expire all the same.
+        self._expiry: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            registry.window_seconds, self._expire
+        )
 
     @property
     def num_events(self) -> int:
