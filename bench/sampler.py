@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,33 +46,23 @@ SETTINGS = [
 ]
 
 
-def best_ms(
-    sampler: Sampler, requests, logits: torch.Tensor, repeats: int, block_max=None, flush: torch.Tensor | None = None
-) -> float:
+def best_ms(call: Callable[[], object], repeats: int, flush: torch.Tensor | None = None) -> float:
+    """The fastest of `repeats` timed calls, each after the flush (if any) and, on a GPU, once the
+    device has finished what was queued before it."""
     times = []
     for _ in range(repeats):
         if flush is not None:
             flush.fill_(1.0)
-        if logits.is_cuda:
-            # Nothing queued before the timed call (the flush above) counts in it.
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        sampler.sample(requests, logits, block_max=block_max)
+        call()
         times.append(time.perf_counter() - start)
     return 1000 * min(times)
 
 
-def read_once_ms(logits: torch.Tensor, repeats: int, flush: torch.Tensor | None = None) -> float:
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.fill_(1.0)
-        if logits.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        logits.sum().item()
-        times.append(time.perf_counter() - start)
-    return 1000 * min(times)
+def sample_ms(sampler: Sampler, requests, logits: torch.Tensor, repeats: int, block_max=None, flush=None) -> float:
+    return best_ms(lambda: sampler.sample(requests, logits, block_max=block_max), repeats, flush)
 
 
 def block_maxima(logits: torch.Tensor) -> torch.Tensor:
@@ -107,7 +98,7 @@ def main() -> None:
     logits = torch.randn(args.rows, args.vocab, generator=generator).to(device)
     print(
         f"Reading the logits once ({args.rows} x {args.vocab} float32, torch's sum): "
-        f"{read_once_ms(logits, args.repeats, flush):.2f} ms\n"
+        f"{best_ms(lambda: logits.sum().item(), args.repeats, flush):.2f} ms\n"
     )
     print("| setting | logits scale | torch ms | kernel ms | kernel ms, given block maxima | same tokens |")
     print("|---|---|---|---|---|---|")
@@ -126,7 +117,7 @@ def main() -> None:
             logits = (torch.randn(args.rows, args.vocab, generator=generator) * scale).to(device)
             block_max = block_maxima(logits) if device.type == "cpu" else None
             given_maxima = (
-                f"{best_ms(kernel_path, requests, logits, args.repeats, block_max, flush):.2f}"
+                f"{sample_ms(kernel_path, requests, logits, args.repeats, block_max, flush):.2f}"
                 if block_max is not None
                 else "-"
             )
@@ -137,8 +128,8 @@ def main() -> None:
                 )
             )
             print(
-                f"| {setting} | {scale} | {best_ms(torch_path, requests, logits, args.repeats, flush=flush):.1f} "
-                f"| {best_ms(kernel_path, requests, logits, args.repeats, flush=flush):.1f} "
+                f"| {setting} | {scale} | {sample_ms(torch_path, requests, logits, args.repeats, flush=flush):.1f} "
+                f"| {sample_ms(kernel_path, requests, logits, args.repeats, flush=flush):.1f} "
                 f"| {given_maxima} | {same}/{args.rows} |"
             )
 

@@ -43,6 +43,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serve  # noqa: E402
+from tests.e2e.sse import Event, parse_events  # noqa: E402
 
 PROMPTS = [f"Tell me one fact about {topic}." for topic in ("cats", "rain", "bread", "ships", "bees", "chess", "maps")]
 PERSON = {
@@ -199,8 +200,8 @@ class Soak:
         if not first:
             return self.fail("a resumable stream sent no whole event", {"body": body})
         await asyncio.sleep(self.rng.random() * 0.5)
-        completion_id = json.loads(first[0]["data"])["id"]
-        headers = {"Last-Event-ID": first[-1]["id"]}
+        completion_id = first[0].json()["id"]
+        headers = {"Last-Event-ID": first[-1].id}
         async with http.stream("GET", f"{self.base}/v1/streams/{completion_id}", headers=headers) as response:
             if response.status_code != 200:
                 return self.fail(f"resume answered {response.status_code}", {"body": body})
@@ -221,7 +222,7 @@ class Soak:
             if deleted.status_code not in (200, 404):
                 self.fail(f"DELETE answered {deleted.status_code}", {"body": body})
             lines += [line async for line in events]
-        data = [event["data"] for event in parse_events(lines) if "data" in event]
+        data = [event.data for event in parse_events(lines)]
         if data[-1:] != ["[DONE]"]:
             return self.fail("a cancelled stream did not end with [DONE]", {"body": body})
         self.counts["chat, cancelled"] += 1
@@ -240,7 +241,7 @@ class Soak:
         else:
             async with http.stream("POST", url, json=body) as response:
                 events = parse_events([line async for line in response.aiter_lines()])
-            if not events or events[-1].get("data") != "[DONE]":
+            if not events or events[-1].data != "[DONE]":
                 return self.fail("a completion stream did not end with [DONE]", {"body": body})
         self.counts["completion"] += 1
 
@@ -252,10 +253,10 @@ class Soak:
         if body["stream"]:
             async with http.stream("POST", url, json=body) as response:
                 events = parse_events([line async for line in response.aiter_lines()])
-            last = events[-1] if events else {}
-            if last.get("event") not in ("response.completed", "response.incomplete"):
+            last = events[-1].json() if events else {}
+            if last.get("type") not in ("response.completed", "response.incomplete"):
                 return self.fail("a Responses stream did not end completed or incomplete", {"last": last})
-            response_id = json.loads(last["data"])["response"]["id"]
+            response_id = last["response"]["id"]
         else:
             response = await http.post(url, json=body)
             if response.status_code != 200:
@@ -279,11 +280,11 @@ class Soak:
 
     # Checks.
 
-    def check_chat_stream(self, body: dict, events: list[dict]) -> None:
-        ids = [int(event["id"]) for event in events if "id" in event]
+    def check_chat_stream(self, body: dict, events: list[Event]) -> None:
+        ids = [int(event.id) for event in events if event.id is not None]
         if ids != list(range(1, len(ids) + 1)):
             return self.fail("event ids are not 1, 2, 3...", {"body": body, "ids": ids})
-        data = [event["data"] for event in events if "data" in event]
+        data = [event.data for event in events]
         if data[-1:] != ["[DONE]"]:
             return self.fail("a stream did not end with [DONE]", {"body": body})
         finishes: collections.Counter = collections.Counter()
@@ -324,22 +325,6 @@ class Soak:
                 self.fail("the server did not settle in 60 s", {"before": before, "after": after})
                 return after
             await asyncio.sleep(0.5)
-
-
-def parse_events(lines: list[str]) -> list[dict]:
-    """SSE lines into events: {field: value}, comments dropped."""
-    events, event = [], {}
-    for line in lines:
-        if not line:
-            if event:
-                events.append(event)
-            event = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            event[name] = value.removeprefix(" ")
-    if event:
-        events.append(event)
-    return events
 
 
 async def run(soak: Soak, duration: float, concurrency: int) -> None:
