@@ -10,7 +10,7 @@ WORKDIR /srv/sluice
 # socket sends (app/operations/sends.cpp), once, below.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # The CPU wheel keeps the image small; a CUDA base image with the CUDA torch build serves on GPUs.
-# TORCH_SOURCE points pip elsewhere where download.pytorch.org is out of reach (README, Docker).
+# TORCH_SOURCE points pip elsewhere where download.pytorch.org is out of reach (docs/operations.md, Docker).
 ARG TORCH_SOURCE="--index-url https://download.pytorch.org/whl/cpu"
 RUN pip install torch==2.13.0 $TORCH_SOURCE
 COPY pyproject.toml README.md ./

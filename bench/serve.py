@@ -85,8 +85,8 @@ class SSEResponse(asyncio.Protocol):
     body (chunked or not) cut into lines, and each `data:` line handed to `on_data` as it arrives.
 
     Not httpx: at hundreds of streams on a GPU, httpx's pure-Python HTTP stack and connection pool cost
-    the client about 170 µs of CPU per chunk, and the sweep measured its own client (see README, "On a
-    GPU"). This costs a few tens."""
+    the client about 170 µs of CPU per chunk, and the sweep measured its own client (docs/performance.md,
+    "Method"). This costs a few tens."""
 
     def __init__(self, on_data, finished: asyncio.Future) -> None:
         self.on_data = on_data

@@ -409,7 +409,7 @@ class _EventSourceResponse(EventSourceResponse):
     Its parts run as sse-starlette runs them (the stream, the client's disconnect, the server's
     exit signal and the pings; the first to end ends the others), but as plain asyncio tasks
     rather than in an anyio task group, whose scopes and checks were most of what the response cost
-    the event loop on a short request (see the README's "Host cost per token")."""
+    the event loop on a short request (docs/design/host-path.md, "Cheap events")."""
 
     _body_send: Send | None = None
 

@@ -112,8 +112,8 @@ def resolve_int4_max_tokens(
     """None (auto): int4 for decode steps of up to 16 tokens when serving the embedded default
     model on a CPU with AVX-512, whose weights ship as 4-bit, unless batch-invariant (a token's
     weights would then depend on the size of its step), else off. Between 16 and 32 tokens
-    the int4 step stops beating bf16 on a 2-core CPU (README, int4 for small steps). On an
-    AVX2-only CPU torch's int4 kernel is slower than float32 at every batch size (README: 7.1
+    the int4 step stops beating bf16 on a 2-core CPU (docs/design/int4.md). On an
+    AVX2-only CPU torch's int4 kernel is slower than float32 at every batch size (docs/design/int4.md: 7.1
     against 16.8 tok/s at batch 1, 8.4 against 79.2 at batch 8), so auto leaves it off."""
     if not int4_supported(device):
         return 0

@@ -1,4 +1,4 @@
-"""Every request parameter, through the OpenAI SDK, changes the output as the README says."""
+"""Every request parameter, through the OpenAI SDK, changes the output as docs/api.md says."""
 
 from collections import Counter
 
