@@ -1,4 +1,6 @@
-// Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA.
+// Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA (the avx2-fma variant of native.py), the
+// linear layer's weights held in the form they ship in (float32, bfloat16, GGUF Q8_0 or Q4_1 blocks) and
+// widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
@@ -18,6 +20,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "vector_math.h"
@@ -32,29 +35,133 @@ constexpr int kPanel = 16;  // output columns per packed weight panel: two AVX r
 // Columns per block of sl_linear's block maxima: the sampler's block (kBlock in sampling.cpp).
 constexpr int64_t kMaxBlock = 256;
 
+// The forms a packed weight's panel holds its 16 columns in, each read one group of k at a time and
+// widened in registers to exactly the float32 values the checkpoint's own conversion gives: so a
+// kernel over any form computes the float32 kernel's bits while reading fewer bytes.
+//   kF32:  16 floats per k.
+//   kBF16: 16 bfloat16 per k; widening is a 16-bit shift, exact.
+//   kQ8_0: per 32 k, the columns' scales d (fp16), then 32 x 16 int8; w = d * q, as GGUF's
+//          dequantizer computes it in float32.
+//   kQ4_1: per 32 k, the scales d then the offsets m (fp16), then 32 x 8 bytes, byte j holding column j
+//          in its low nibble and column j + 8 in its high one; w = (d * q) + m, two roundings, as
+//          GGUF's dequantizer computes it (not one FMA).
+enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3 };
+
+struct F32 {
+  static constexpr int kGroup = 1;
+  static constexpr int64_t kGroupBytes = kPanel * 4;
+  struct Scales {};
+  static Scales scales(const uint8_t*) { return {}; }
+  static void widen(const uint8_t* group, const Scales&, int, __m256* w) {
+    w[0] = _mm256_loadu_ps((const float*)group);
+    w[1] = _mm256_loadu_ps((const float*)group + 8);
+  }
+  static float scalar(const uint8_t* group, int, int c) { return ((const float*)group)[c]; }
+};
+
+struct BF16 {
+  static constexpr int kGroup = 1;
+  static constexpr int64_t kGroupBytes = kPanel * 2;
+  struct Scales {};
+  static Scales scales(const uint8_t*) { return {}; }
+  static __m256 widen8(const uint8_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static void widen(const uint8_t* group, const Scales&, int, __m256* w) {
+    w[0] = widen8(group);
+    w[1] = widen8(group + 16);
+  }
+  static float scalar(const uint8_t* group, int, int c) {
+    const uint32_t bits = (uint32_t)((const uint16_t*)group)[c] << 16;
+    float w;
+    memcpy(&w, &bits, 4);
+    return w;
+  }
+};
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+struct Q8_0 {
+  static constexpr int kGroup = 32;
+  static constexpr int64_t kGroupBytes = kPanel * 2 + kGroup * kPanel;
+  struct Scales {
+    __m256 d0, d1;
+  };
+  static Scales scales(const uint8_t* group) {
+    const __m128i* d = (const __m128i*)group;
+    return {_mm256_cvtph_ps(_mm_loadu_si128(d)), _mm256_cvtph_ps(_mm_loadu_si128(d + 1))};
+  }
+  static void widen(const uint8_t* group, const Scales& s, int kk, __m256* w) {
+    const uint8_t* q = group + kPanel * 2 + kk * kPanel;
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))));
+    w[0] = _mm256_mul_ps(q0, s.d0);
+    w[1] = _mm256_mul_ps(q1, s.d1);
+  }
+  static float scalar(const uint8_t* group, int kk, int c) {
+    const float d = half_to_float(((const uint16_t*)group)[c]);
+    return (float)((const int8_t*)group)[kPanel * 2 + kk * kPanel + c] * d;
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kGroup = 32;
+  static constexpr int64_t kGroupBytes = kPanel * 4 + kGroup * kPanel / 2;
+  struct Scales {
+    __m256 d0, d1, m0, m1;
+  };
+  static Scales scales(const uint8_t* group) {
+    const __m128i* h = (const __m128i*)group;
+    return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)),
+            _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), _mm256_cvtph_ps(_mm_loadu_si128(h + 3))};
+  }
+  static void widen(const uint8_t* group, const Scales& s, int kk, __m256* w) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(group + kPanel * 4 + kk * (kPanel / 2))));
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    w[0] = _mm256_add_ps(_mm256_mul_ps(s.d0, q0), s.m0);
+    w[1] = _mm256_add_ps(_mm256_mul_ps(s.d1, q1), s.m1);
+  }
+  static float scalar(const uint8_t* group, int kk, int c) {
+    const uint16_t* h = (const uint16_t*)group;
+    const uint8_t byte = group[kPanel * 4 + kk * (kPanel / 2) + c % 8];
+    const float q = (float)(c < 8 ? byte & 15 : byte >> 4);
+    return half_to_float(h[c]) * q + half_to_float(h[kPanel + c]);
+  }
+};
+
 // Rows x (panels * 16) outputs, each a k-ordered FMA chain from zero. Every variant does the
 // same arithmetic per element; they differ only in how many elements share a pass over k.
-template <int Rows, int Panels>
-inline void tile(const float* x, int64_t x_stride, const float* wp, int64_t panel_stride, int64_t k_dim,
+template <class F, int Rows, int Panels>
+inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t panel_stride, int64_t k_dim,
                  float* y, int64_t y_stride) {
   __m256 acc[Rows][Panels * 2];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < Panels * 2; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < k_dim; ++k) {
-    __m256 w[Panels * 2];
+  const int64_t groups = k_dim / F::kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group[Panels];
+    typename F::Scales scales[Panels];
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {
-      const float* src = wp + p * panel_stride + k * kPanel;
-      w[2 * p] = _mm256_loadu_ps(src);
-      w[2 * p + 1] = _mm256_loadu_ps(src + 8);
+      group[p] = wp + p * panel_stride + g * F::kGroupBytes;
+      scales[p] = F::scales(group[p]);
     }
+    for (int kk = 0; kk < F::kGroup; ++kk) {
+      const int64_t k = g * F::kGroup + kk;
+      __m256 w[Panels * 2];
 #pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
+      for (int p = 0; p < Panels; ++p) F::widen(group[p], scales[p], kk, w + 2 * p);
 #pragma GCC unroll 8
-      for (int c = 0; c < Panels * 2; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
+#pragma GCC unroll 8
+        for (int c = 0; c < Panels * 2; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -63,36 +170,156 @@ inline void tile(const float* x, int64_t x_stride, const float* wp, int64_t pane
     for (int c = 0; c < Panels * 2; ++c) _mm256_storeu_ps(y + r * y_stride + c * 8, acc[r][c]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-
 // Twelve accumulators fill the sixteen AVX registers best: 6 rows x 1 panel, 3 x 2, 1 x 4.
 template <int Rows>
 constexpr int panels_for() {
   return Rows >= 4 ? 1 : (Rows >= 2 ? 2 : 4);
 }
 
-template <int Rows>
-void rows_over_panels(const float* x, int64_t k_dim, const float* wp, int64_t p_begin, int64_t p_end, float* out,
+template <class F, int Rows>
+void rows_over_panels(const float* x, int64_t k_dim, const uint8_t* wp, int64_t p_begin, int64_t p_end, float* out,
                       int64_t out_stride) {
   constexpr int wide = panels_for<Rows>();
-  const int64_t panel_stride = k_dim * kPanel;
+  const int64_t panel_stride = k_dim / F::kGroup * F::kGroupBytes;
   int64_t p = p_begin;
   for (; p + wide <= p_end; p += wide)
-    tile<Rows, wide>(x, k_dim, wp + p * panel_stride, panel_stride, k_dim, out + p * kPanel, out_stride);
+    tile<F, Rows, wide>(x, k_dim, wp + p * panel_stride, panel_stride, k_dim, out + p * kPanel, out_stride);
   for (; p < p_end; ++p)
-    tile<Rows, 1>(x, k_dim, wp + p * panel_stride, panel_stride, k_dim, out + p * kPanel, out_stride);
+    tile<F, Rows, 1>(x, k_dim, wp + p * panel_stride, panel_stride, k_dim, out + p * kPanel, out_stride);
 }
 
-void row_block(int rows, const float* x, int64_t k_dim, const float* wp, int64_t p_begin, int64_t p_end, float* out,
-               int64_t out_stride) {
+template <class F>
+void row_block(int rows, const float* x, int64_t k_dim, const uint8_t* wp, int64_t p_begin, int64_t p_end,
+               float* out, int64_t out_stride) {
   switch (rows) {
-    case 1: rows_over_panels<1>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
-    case 2: rows_over_panels<2>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
-    case 3: rows_over_panels<3>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
-    case 4: rows_over_panels<4>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
-    case 5: rows_over_panels<5>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
-    default: rows_over_panels<6>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
+    case 1: rows_over_panels<F, 1>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
+    case 2: rows_over_panels<F, 2>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
+    case 3: rows_over_panels<F, 3>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
+    case 4: rows_over_panels<F, 4>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
+    case 5: rows_over_panels<F, 5>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
+    default: rows_over_panels<F, 6>(x, k_dim, wp, p_begin, p_end, out, out_stride); break;
   }
+}
+
+// The scalar variant of row_block: one element at a time, each the same k-ordered chain of fused
+// multiply-adds over the same widened weights, so it gives the vector variant's bits. It is the
+// reference the vector variants are tested against, and the form a new variant starts from.
+template <class F>
+void row_block_scalar(int rows, const float* x, int64_t k_dim, const uint8_t* wp, int64_t p_begin, int64_t p_end,
+                      float* out, int64_t out_stride) {
+  const int64_t panel_stride = k_dim / F::kGroup * F::kGroupBytes;
+  for (int r = 0; r < rows; ++r)
+    for (int64_t p = p_begin; p < p_end; ++p)
+      for (int c = 0; c < kPanel; ++c) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < k_dim; ++k) {
+          const uint8_t* group = wp + p * panel_stride + k / F::kGroup * F::kGroupBytes;
+          acc = fmaf(x[r * k_dim + k], F::scalar(group, (int)(k % F::kGroup), c), acc);
+        }
+        out[r * out_stride + p * kPanel + c] = acc;
+      }
+}
+
+using RowBlock = void (*)(int, const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+
+template <class F>
+int64_t panel_bytes(int64_t k_dim) {
+  return k_dim / F::kGroup * F::kGroupBytes;
+}
+
+// Panels [0, count) of a packed weight widened into float32 panels (F32's layout) at `out`: the same
+// values the tiles widen to in registers.
+template <class F>
+void widen_panels(const uint8_t* wp, int64_t count, int64_t k_dim, float* out) {
+  for (int64_t p = 0; p < count; ++p)
+    for (int64_t g = 0; g < k_dim / F::kGroup; ++g) {
+      const uint8_t* group = wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes;
+      const typename F::Scales scales = F::scales(group);
+      for (int kk = 0; kk < F::kGroup; ++kk) {
+        __m256 w[2];
+        F::widen(group, scales, kk, w);
+        float* dst = out + (p * k_dim + g * F::kGroup + kk) * kPanel;
+        _mm256_storeu_ps(dst, w[0]);
+        _mm256_storeu_ps(dst + 8, w[1]);
+      }
+    }
+}
+
+// y[M, N] = x[M, K] @ W.T over a weight packed in form F. Threads split the output columns (never k);
+// each walks its columns four panels at a time, over every row. With more rows than one tile takes, a
+// strip of four panels is widened once into float32 in the thread's cache and the float32 tiles run
+// over it, rather than each row block widening it again: the same values, so the same bits.
+// `scalar`: the portable variant, one element at a time.
+//
+// With block_max (else null), also block_max[M, ceil(N / 256)]: the largest value of each row's
+// 256-column blocks, taken while the tile is still in L1, so the sampler never reads a whole row of
+// logits to find its max. Threads then split the columns at block boundaries, so one thread owns each
+// block; every element's arithmetic is the same either way.
+template <class F>
+void linear(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp, int64_t n_dim, float* y,
+            float* block_max) {
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
+  const int64_t full = n_dim / kPanel;
+  const int64_t block_panels = kMaxBlock / kPanel;
+  const int64_t num_blocks = (panels + block_panels - 1) / block_panels;
+  const bool widen_strips = !scalar && !std::is_same<F, F32>::value && m_dim > 6;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    int64_t p_first = panels * thread / threads, p_last = panels * (thread + 1) / threads;
+    if (block_max != nullptr) {
+      p_first = std::min(panels, num_blocks * thread / threads * block_panels);
+      p_last = std::min(panels, num_blocks * (thread + 1) / threads * block_panels);
+    }
+    std::vector<float> strip(widen_strips ? 4 * k_dim * kPanel : 0);
+    for (int64_t p_begin = p_first; p_begin < p_last; p_begin += 4) {
+      const int64_t p_end = std::min(p_begin + 4, p_last);
+      const int64_t p_full = std::min(p_end, full);
+      // Panels [p_begin, p_end) are panels [0, p_end - p_begin) of `base`, read by `block`.
+      RowBlock block = scalar ? row_block_scalar<F> : row_block<F>;
+      const uint8_t* base = wp + p_begin * panel_bytes<F>(k_dim);
+      int64_t stride = panel_bytes<F>(k_dim);
+      if (widen_strips) {
+        widen_panels<F>(base, p_end - p_begin, k_dim, strip.data());
+        block = row_block<F32>;
+        base = (const uint8_t*)strip.data();
+        stride = panel_bytes<F32>(k_dim);
+      }
+      for (int64_t m = 0; m < m_dim; m += 6) {
+        const int rows = (int)std::min<int64_t>(6, m_dim - m);
+        if (p_begin < p_full)
+          block(rows, x + m * k_dim, k_dim, base, 0, p_full - p_begin, y + m * n_dim + p_begin * kPanel, n_dim);
+        if (p_full < p_end) {
+          // The last panel runs past N: compute it into scratch and keep the real columns.
+          float spill[6 * kPanel];
+          block(rows, x + m * k_dim, k_dim, base + (full - p_begin) * stride, 0, 1, spill, kPanel);
+          for (int r = 0; r < rows; ++r)
+            memcpy(y + (m + r) * n_dim + full * kPanel, spill + r * kPanel, (n_dim - full * kPanel) * sizeof(float));
+        }
+        if (block_max == nullptr) continue;
+        // p_begin steps by 4 from a block boundary, so these columns lie in one block.
+        const int64_t first_column = p_begin * kPanel, end_column = std::min(p_end * kPanel, n_dim);
+        for (int r = 0; r < rows; ++r) {
+          const float found = row_max(y + (m + r) * n_dim + first_column, end_column - first_column);
+          float& slot = block_max[(m + r) * num_blocks + p_begin / block_panels];
+          slot = p_begin % block_panels == 0 ? found : std::max(slot, found);
+        }
+      }
+    }
+  }
+}
+
+// The weight's 16-column panels, zero-padded past N: `column(n, g, dst)` writes column n's group g of
+// its source's form into a panel's group at `dst`, the column's slot within it being the form's.
+template <class F, class Column>
+void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel, groups = k_dim / F::kGroup;
+  memset(wp, 0, panels * panel_bytes<F>(k_dim));
+  // By panel: a panel's columns may share bytes (kQ4_1's nibbles), so one thread writes each panel.
+#pragma omp parallel for
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t n = p * kPanel; n < std::min(n_dim, (p + 1) * kPanel); ++n)
+      for (int64_t g = 0; g < groups; ++g) column(n, g, wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes);
 }
 
 // One query head over its request's first `n` keys.
@@ -154,65 +381,95 @@ void attend(const float* q, int64_t head_dim, const float* k_cache, const float*
   for (int64_t d = 0; d < vecs; ++d) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], norm));
 }
 
+template <class F>
+void unpack_panels(const uint8_t* wp, int64_t n_dim, int64_t k_dim, float* w) {
+#pragma omp parallel for
+  for (int64_t n = 0; n < n_dim; ++n) {
+    const uint8_t* panel = wp + (n / kPanel) * panel_bytes<F>(k_dim);
+    for (int64_t k = 0; k < k_dim; ++k)
+      w[n * k_dim + k] = F::scalar(panel + k / F::kGroup * F::kGroupBytes, (int)(k % F::kGroup), (int)(n % kPanel));
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-// y[M, N] = x[M, K] @ W.T, with W packed by sl_pack_weight. Threads split the output columns
-// (never k); each walks its columns four panels at a time, over every row.
-//
-// With block_max (else null), also block_max[M, ceil(N / 256)]: the largest value of each row's
-// 256-column blocks, taken while the tile is still in L1, so the sampler never reads a whole row of
-// logits to find its max. Threads then split the columns at block boundaries, so one thread owns each
-// block; every element's arithmetic is the same either way.
-void sl_linear(const float* x, int64_t m_dim, int64_t k_dim, const float* wp, int64_t n_dim, float* y,
-               float* block_max) {
+// The variant this library was built as (KernelVariant in native.py).
+const char* sl_variant() { return SL_VARIANT; }
+
+// Bytes of a weight [N, K] packed in `form`, for sl_pack; 0 where K does not suit the form.
+int64_t sl_packed_bytes(int64_t form, int64_t n_dim, int64_t k_dim) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
-  const int64_t full = n_dim / kPanel;
-  const int64_t block_panels = kMaxBlock / kPanel;
-  const int64_t num_blocks = (panels + block_panels - 1) / block_panels;
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    int64_t p_first = panels * thread / threads, p_last = panels * (thread + 1) / threads;
-    if (block_max != nullptr) {
-      p_first = std::min(panels, num_blocks * thread / threads * block_panels);
-      p_last = std::min(panels, num_blocks * (thread + 1) / threads * block_panels);
-    }
-    for (int64_t p_begin = p_first; p_begin < p_last; p_begin += 4) {
-      const int64_t p_end = std::min(p_begin + 4, p_last);
-      const int64_t p_full = std::min(p_end, full);
-      for (int64_t m = 0; m < m_dim; m += 6) {
-        const int rows = (int)std::min<int64_t>(6, m_dim - m);
-        if (p_begin < p_full) row_block(rows, x + m * k_dim, k_dim, wp, p_begin, p_full, y + m * n_dim, n_dim);
-        if (p_full < p_end) {
-          // The last panel runs past N: compute it into scratch and keep the real columns.
-          float spill[6 * kPanel];
-          row_block(rows, x + m * k_dim, k_dim, wp + full * k_dim * kPanel, 0, 1, spill, kPanel);
-          for (int r = 0; r < rows; ++r)
-            memcpy(y + (m + r) * n_dim + full * kPanel, spill + r * kPanel, (n_dim - full * kPanel) * sizeof(float));
-        }
-        if (block_max == nullptr) continue;
-        // p_begin steps by 4 from a block boundary, so these columns lie in one block.
-        const int64_t first_column = p_begin * kPanel, end_column = std::min(p_end * kPanel, n_dim);
-        for (int r = 0; r < rows; ++r) {
-          const float found = row_max(y + (m + r) * n_dim + first_column, end_column - first_column);
-          float& slot = block_max[(m + r) * num_blocks + p_begin / block_panels];
-          slot = p_begin % block_panels == 0 ? found : std::max(slot, found);
-        }
-      }
-    }
+  switch (form) {
+    case kF32: return panels * panel_bytes<F32>(k_dim);
+    case kBF16: return panels * panel_bytes<BF16>(k_dim);
+    case kQ8_0: return k_dim % 32 ? 0 : panels * panel_bytes<Q8_0>(k_dim);
+    case kQ4_1: return k_dim % 32 ? 0 : panels * panel_bytes<Q4_1>(k_dim);
+    default: return 0;
   }
 }
 
-// W [N, K] row-major -> panels of 16 output columns, each K x 16, zero-padded past N.
-void sl_pack_weight(const float* w, int64_t n_dim, int64_t k_dim, float* wp) {
-  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
-  memset(wp, 0, panels * k_dim * kPanel * sizeof(float));
-  for (int64_t n = 0; n < n_dim; ++n) {
-    float* panel = wp + (n / kPanel) * k_dim * kPanel + n % kPanel;
-    const float* row = w + n * k_dim;
-    for (int64_t k = 0; k < k_dim; ++k) panel[k * kPanel] = row[k];
+// W [N, K] in its source's layout (float32 or bfloat16 row-major; GGUF Q8_0 or Q4_1 blocks, each row
+// K / 32 blocks) -> wp, sl_packed_bytes(form, N, K) bytes of 16-column panels.
+void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t* wp) {
+  const uint8_t* src = (const uint8_t*)w;
+  switch (form) {
+    case kF32:
+      pack_panels<F32>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* dst) {
+        memcpy(dst + n % kPanel * 4, src + (n * k_dim + k) * 4, 4);
+      });
+      break;
+    case kBF16:
+      pack_panels<BF16>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* dst) {
+        memcpy(dst + n % kPanel * 2, src + (n * k_dim + k) * 2, 2);
+      });
+      break;
+    case kQ8_0:
+      // A block: d (fp16), then 32 int8.
+      pack_panels<Q8_0>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* dst) {
+        const uint8_t* block = src + (n * (k_dim / 32) + g) * 34;
+        const int c = (int)(n % kPanel);
+        memcpy(dst + c * 2, block, 2);
+        for (int kk = 0; kk < 32; ++kk) dst[kPanel * 2 + kk * kPanel + c] = block[2 + kk];
+      });
+      break;
+    case kQ4_1:
+      // A block: d, m (fp16), then 16 bytes: weight j in byte j's low nibble, weight j + 16 in its high one.
+      pack_panels<Q4_1>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* dst) {
+        const uint8_t* block = src + (n * (k_dim / 32) + g) * 20;
+        const int c = (int)(n % kPanel);
+        memcpy(dst + c * 2, block, 2);
+        memcpy(dst + kPanel * 2 + c * 2, block + 2, 2);
+        for (int kk = 0; kk < 32; ++kk) {
+          const uint8_t q = kk < 16 ? block[4 + kk] & 15 : block[4 + kk - 16] >> 4;
+          dst[kPanel * 4 + kk * (kPanel / 2) + c % 8] |= (uint8_t)(c < 8 ? q : q << 4);
+        }
+      });
+      break;
+  }
+}
+
+// w [N, K] float32: the values the kernel widens a packed weight to, for the loader to check a form
+// against the float32 weight it stands for.
+void sl_unpack(int64_t form, const uint8_t* wp, int64_t n_dim, int64_t k_dim, float* w) {
+  switch (form) {
+    case kF32: unpack_panels<F32>(wp, n_dim, k_dim, w); break;
+    case kBF16: unpack_panels<BF16>(wp, n_dim, k_dim, w); break;
+    case kQ8_0: unpack_panels<Q8_0>(wp, n_dim, k_dim, w); break;
+    case kQ4_1: unpack_panels<Q4_1>(wp, n_dim, k_dim, w); break;
+  }
+}
+
+// y[M, N] = x[M, K] @ W.T, W packed by sl_pack in `form`; block_max as `linear` says. `scalar` runs the
+// portable variant (the same bits, slower).
+void sl_linear(int64_t form, int64_t scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
+               int64_t n_dim, float* y, float* block_max) {
+  switch (form) {
+    case kF32: linear<F32>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
+    case kBF16: linear<BF16>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
+    case kQ8_0: linear<Q8_0>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
+    case kQ4_1: linear<Q4_1>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
   }
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -19,22 +20,65 @@ import torch
 BLOCK = 256
 
 
+class WeightForm(IntEnum):
+    """How a packed weight stores its values (Form in invariant.cpp). Each widens in registers to exactly
+    the float32 values its source converts to, so the kernel gives the float32 kernel's bits over any."""
+
+    F32 = 0
+    BF16 = 1
+    # GGUF blocks of 32 weights along K: w = d * q (int8 q) and w = d * q + m (4-bit q), d and m fp16.
+    Q8_0 = 2
+    Q4_1 = 3
+
+
+# A GGUF block's bytes, per form.
+BLOCK_BYTES = {WeightForm.Q8_0: 34, WeightForm.Q4_1: 20}
+
+
 @dataclass(frozen=True)
 class PackedLinear:
-    """A bias-free linear layer's float32 weight, laid out in 16-column panels for sl_linear."""
+    """A bias-free linear layer's weight in one of the WeightForms, laid out in 16-column panels for
+    sl_linear. `scalar` runs the kernel's portable variant, whose bits are the vector one's."""
 
     library: ctypes.CDLL
     panels: torch.Tensor
     out_features: int
     in_features: int
+    form: WeightForm = WeightForm.F32
+    scalar: bool = False
 
     @classmethod
     def pack(cls, library: ctypes.CDLL, weight: torch.Tensor) -> PackedLinear:
-        out_features, in_features = weight.shape
-        weight = weight.detach().float().contiguous()
-        panels = torch.empty(-(-out_features // 16) * 16 * in_features, dtype=torch.float32)
-        library.sl_pack_weight(weight.data_ptr(), out_features, in_features, panels.data_ptr())
-        return cls(library, panels, out_features, in_features)
+        """A float32 or bfloat16 weight [N, K], kept in its own precision (any other dtype: as float32)."""
+        weight = weight.detach().contiguous()
+        if weight.dtype != torch.bfloat16:
+            weight = weight.float()
+        form = WeightForm.BF16 if weight.dtype == torch.bfloat16 else WeightForm.F32
+        return cls._packed(library, form, weight, *weight.shape)
+
+    @classmethod
+    def pack_blocks(
+        cls, library: ctypes.CDLL, form: WeightForm, blocks: torch.Tensor, out_features: int, in_features: int
+    ) -> PackedLinear:
+        """A weight [N, K] as GGUF blocks of `form`: uint8 [N, K / 32 * BLOCK_BYTES[form]], each row's
+        blocks in k order."""
+        if in_features % 32 or blocks.shape != (out_features, in_features // 32 * BLOCK_BYTES[form]):
+            raise ValueError(f"{form.name} blocks of shape {tuple(blocks.shape)} for a [{out_features}, {in_features}]")
+        return cls._packed(library, form, blocks.contiguous(), out_features, in_features)
+
+    @classmethod
+    def _packed(
+        cls, library: ctypes.CDLL, form: WeightForm, source: torch.Tensor, out_features: int, in_features: int
+    ) -> PackedLinear:
+        panels = torch.empty(library.sl_packed_bytes(form, out_features, in_features), dtype=torch.uint8)
+        library.sl_pack(form, source.data_ptr(), out_features, in_features, panels.data_ptr())
+        return cls(library, panels, out_features, in_features, form)
+
+    def unpacked(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernel computes with: the values it widens its form to."""
+        weight = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self.library.sl_unpack(self.form, self.panels.data_ptr(), self.out_features, self.in_features, weight.data_ptr())
+        return weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, None)
@@ -50,6 +94,8 @@ class PackedLinear:
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         self.library.sl_linear(
+            self.form,
+            self.scalar,
             rows.data_ptr(),
             rows.shape[0],
             self.in_features,

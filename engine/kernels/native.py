@@ -17,6 +17,7 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,17 +29,42 @@ _SOURCES = (_FOLDER / "invariant.cpp", _FOLDER / "sampling.cpp")
 _HEADERS = (_FOLDER / "vector_math.h",)
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build.
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
-def kernels_supported() -> bool:
-    """The kernels need an x86-64 CPU with AVX2 and FMA, and torch to say it runs AVX2 code."""
+@dataclass(frozen=True)
+class KernelVariant:
+    """One build of the kernels for one instruction set: its flags, and torch's CPU capabilities
+    (torch.backends.cpu.get_cpu_capability) it runs on. Every variant gives the same bits; a faster one
+    only goes first in _VARIANTS."""
+
+    name: str
+    flags: tuple[str, ...]
+    capabilities: tuple[str, ...]
+
+
+_VARIANTS = (KernelVariant("avx2-fma", ("-mavx2", "-mfma", "-mf16c"), ("AVX2", "AVX512", "AMX")),)
+
+
+def choose_variant() -> KernelVariant | None:
+    """The first variant this CPU runs, or None."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    return next((v for v in _VARIANTS if capability.startswith(v.capabilities)), None)
+
+
+def kernels_supported() -> bool:
+    """Whether some variant of the kernels runs on this CPU (today: x86-64 with AVX2 and FMA)."""
+    return choose_variant() is not None
+
+
+def kernel_variant(library: ctypes.CDLL) -> str:
+    """The variant `library` was built as."""
+    return library.sl_variant().decode()
 
 
 def build_shared_library(
@@ -71,17 +97,26 @@ def build_shared_library(
 def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     """The compiled kernels, building them first if this machine has none yet; None (with a
     warning saying why, once) where they cannot run or cannot be built."""
-    if not kernels_supported():
+    variant = choose_variant()
+    if variant is None:
         logger.warning("Sluice's CPU kernels need an x86-64 CPU with AVX2 and FMA; using torch's")
         return None
-    target = build_shared_library(cache_dir, "Sluice's CPU kernels (using torch's)", _SOURCES, _HEADERS, _FLAGS)
+    flags = (*_FLAGS, *variant.flags, f'-DSL_VARIANT="{variant.name}"')
+    target = build_shared_library(cache_dir, "Sluice's CPU kernels (using torch's)", _SOURCES, _HEADERS, flags)
     if target is None:
         return None
     library = ctypes.CDLL(str(target))
-    library.sl_linear.argtypes = [_P, _I, _I, _P, _I, _P, _P]
+    library.sl_variant.argtypes = []
+    library.sl_variant.restype = ctypes.c_char_p
+    logger.info("Sluice's CPU kernels: the %s variant", variant.name)
+    library.sl_linear.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _P]
     library.sl_linear.restype = None
-    library.sl_pack_weight.argtypes = [_P, _I, _I, _P]
-    library.sl_pack_weight.restype = None
+    library.sl_packed_bytes.argtypes = [_I, _I, _I]
+    library.sl_packed_bytes.restype = _I
+    library.sl_pack.argtypes = [_I, _P, _I, _I, _P]
+    library.sl_pack.restype = None
+    library.sl_unpack.argtypes = [_I, _P, _I, _I, _P]
+    library.sl_unpack.restype = None
     library.sl_paged_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P]
     library.sl_paged_attention.restype = None
     library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P]

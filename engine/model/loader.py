@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +18,10 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from engine.detokenizer import TokenBytes  # noqa: E402
-from engine.kernels.invariant import PackedLinear  # noqa: E402
-from engine.kernels.native import load_library  # noqa: E402
+from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
+from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
+from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -163,7 +165,7 @@ def load_model(
     if int4:
         logger.info("int4 weights for steps of up to %d tokens (%d linear layers)", int4_tokens, len(int4))
     if batch_invariant:
-        use_invariant_kernels(paged, hf_model, cache_dir)
+        use_invariant_kernels(paged, hf_model, cache_dir, default_model_gguf() if model is None else None)
         if int4_tokens and paged.kernels is not None:
             logger.warning("--int4-max-tokens %d: steps that small run int4; batch invariance is off", int4_tokens)
     eos = _eos_token_ids(hf_model.generation_config.eos_token_id, tokenizer)
@@ -179,9 +181,15 @@ def load_model(
     )
 
 
-def use_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel, cache_dir: Path) -> None:
+def use_invariant_kernels(
+    paged: PagedCausalLM, hf_model: PreTrainedModel, cache_dir: Path, gguf: Path | None = None
+) -> None:
     """Moves every linear layer into the invariant kernels' layout (freeing the original where
-    nothing else shares it) and routes attention through them; logs why not where they cannot run."""
+    nothing else shares it) and routes attention through them; logs why not where they cannot run.
+
+    Each weight is kept in the precision its source has: the GGUF `gguf`'s blocks (it is the model's
+    source), bfloat16 where every value is one, else float32. A form is kept only where the values the
+    kernel widens it to are exactly the float32 weight's, so the outputs are the float32 kernel's bits."""
     if paged.device.type == "cuda":
         use_gpu_invariant_kernels(paged, hf_model)
         return
@@ -197,15 +205,35 @@ def use_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel, cache
     library = load_library(cache_dir)
     if library is None:
         return
+    blocks = shipped_blocks(gguf, hf_model) if gguf is not None else {}
     shared = {hf_model.get_input_embeddings().weight.data_ptr()}
     packed = {}
     for module in hf_model.modules():
         if isinstance(module, torch.nn.Linear) and module.bias is None:
-            packed[module] = PackedLinear.pack(library, module.weight)
+            packed[module] = _pack_as_shipped(library, module, blocks.get(module))
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
     paged.use_kernels(library, packed)
-    logger.info("batch-invariant kernels for %d linear layers and attention", len(packed))
+    forms = Counter(linear.form.name for linear in packed.values())
+    logger.info(
+        "batch-invariant kernels (%s) for %d linear layers (%s) and attention",
+        kernel_variant(library),
+        len(packed),
+        ", ".join(f"{count} {form}" for form, count in sorted(forms.items())),
+    )
+
+
+def _pack_as_shipped(
+    library: ctypes.CDLL, module: torch.nn.Linear, blocks: tuple[WeightForm, torch.Tensor] | None
+) -> PackedLinear:
+    weight = module.weight.detach()
+    if blocks is not None:
+        candidate = PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)
+    else:
+        candidate = PackedLinear.pack(library, weight.bfloat16())
+    if torch.equal(candidate.unpacked().view(torch.int32), weight.float().view(torch.int32)):
+        return candidate
+    return PackedLinear.pack(library, weight)
 
 
 def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -> None:

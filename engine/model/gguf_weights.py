@@ -1,0 +1,59 @@
+"""The default model's linear layers in the GGUF blocks they ship as, for the batch-invariant CPU kernels.
+
+Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
+order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
+changes no output while each step reads 5 bits per weight (Q4_1) or 8.5 (Q8_0) instead of 32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from engine.kernels.invariant import WeightForm
+
+_FORMS = {GGMLQuantizationType.Q8_0: WeightForm.Q8_0, GGMLQuantizationType.Q4_1: WeightForm.Q4_1}
+# A decoder layer's projection, by its Llama module name, to its GGUF tensor's.
+_LAYER_TENSORS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def shipped_blocks(gguf: Path, hf_model: torch.nn.Module) -> dict[torch.nn.Linear, tuple[WeightForm, torch.Tensor]]:
+    """Each linear layer of `hf_model` (a Llama converted from `gguf`) whose GGUF tensor is in a form the
+    kernels read, as (form, blocks [N, K / 32 * block bytes]) in the layer's row order."""
+    tensors = {tensor.name: tensor for tensor in GGUFReader(gguf).tensors}
+    config = hf_model.config
+    names = {}
+    for index, layer in enumerate(hf_model.model.layers):
+        for module_name, tensor_name in _LAYER_TENSORS.items():
+            names[layer.get_submodule(module_name)] = f"blk.{index}.{tensor_name}.weight"
+    names[hf_model.lm_head] = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    found = {}
+    for module, name in names.items():
+        tensor = tensors.get(name)
+        if tensor is None or tensor.tensor_type not in _FORMS:
+            continue
+        rows = np.asarray(tensor.data)
+        if name.endswith("attn_q.weight"):
+            rows = _reverse_permute(rows, config.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            rows = _reverse_permute(rows, config.num_key_value_heads)
+        found[module] = (_FORMS[tensor.tensor_type], torch.from_numpy(rows.copy()))
+    return found
+
+
+def _reverse_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's interleaving of each rotary head's rows, as transformers does on conversion
+    (LlamaTensorProcessor), on rows of any form: blocks run along K, so whole rows move."""
+    half_head = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half_head, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)

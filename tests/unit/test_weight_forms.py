@@ -1,0 +1,119 @@
+"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0 and Q4_1 blocks, bfloat16):
+bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
+(GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
+and the scalar variant alike."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, dequantize
+
+from engine.kernels.invariant import BLOCK_BYTES, PackedLinear, WeightForm
+from engine.kernels.native import load_library
+from engine.model.loader import load_model
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import tiny_hf_model
+
+GGUF_TYPES = {WeightForm.Q8_0: GGMLQuantizationType.Q8_0, WeightForm.Q4_1: GGMLQuantizationType.Q4_1}
+SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
+
+
+@pytest.fixture(scope="module")
+def library():
+    library = load_library(CACHE_DIR)
+    assert library is not None, "these tests run where the kernels do: x86-64 with AVX2"
+    return library
+
+
+def random_blocks(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
+    """GGUF blocks of `form` with random scales (and offsets) and every quantized value drawn."""
+    groups = out_features * in_features // 32
+    generator = np.random.default_rng(out_features * 7919 + in_features)
+    halves = (generator.standard_normal((groups, 2)) * 0.05).astype(np.float16).view(np.uint8)
+    if form == WeightForm.Q8_0:
+        blocks = np.concatenate([halves[:, :2], generator.integers(0, 256, (groups, 32), dtype=np.uint8)], axis=1)
+    else:
+        blocks = np.concatenate([halves, generator.integers(0, 256, (groups, 16), dtype=np.uint8)], axis=1)
+    return torch.from_numpy(blocks.reshape(out_features, -1).copy())
+
+
+def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> None:
+    reference = PackedLinear.pack(library, weight)
+    scalar = dataclasses.replace(packed, scalar=True)
+    torch.manual_seed(packed.out_features)
+    x = torch.randn(300, packed.in_features)
+    full = reference(x)
+    torch.testing.assert_close(full, x @ weight.T, rtol=1e-4, atol=1e-3)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 255):
+        for offset in (0, 45):
+            assert torch.equal(packed(x[offset : offset + rows]), full[offset : offset + rows]), (rows, offset)
+    few = x[:7] if packed.out_features < 10000 else x[:2]
+    assert torch.equal(scalar(few), full[: few.shape[0]])
+    out, maxima = packed.with_block_max(x[:5])
+    assert torch.equal(out, full[:5]) and torch.equal(maxima, reference.with_block_max(x[:5])[1])
+
+
+@pytest.mark.parametrize("form", [WeightForm.Q8_0, WeightForm.Q4_1])
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_gguf_blocks_give_the_float32_kernels_bits(library, form, out_features, in_features):
+    blocks = random_blocks(form, out_features, in_features)
+    weight = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]).reshape(out_features, in_features))
+    packed = PackedLinear.pack_blocks(library, form, blocks, out_features, in_features)
+    # The blocks' own bytes, the last panel's columns padded to 16.
+    assert packed.panels.numel() == -(-out_features // 16) * 16 * in_features // 32 * BLOCK_BYTES[form]
+    assert_same_bits(library, packed, weight)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (33, 7), (5, 301)])
+def test_bfloat16_weights_give_the_float32_kernels_bits(library, out_features, in_features):
+    torch.manual_seed(in_features)
+    weight = torch.randn(out_features, in_features).bfloat16()
+    packed = PackedLinear.pack(library, weight)
+    assert packed.form == WeightForm.BF16 and packed.panels.numel() == -(-out_features // 16) * 16 * in_features * 2
+    assert_same_bits(library, packed, weight.float())
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(100, 40), (33, 7)])
+def test_the_scalar_variant_gives_the_vector_variants_bits_over_float32(library, out_features, in_features):
+    torch.manual_seed(1)
+    weight = torch.randn(out_features, in_features)
+    packed = PackedLinear.pack(library, weight)
+    x = torch.randn(9, in_features)
+    assert torch.equal(dataclasses.replace(packed, scalar=True)(x), packed(x))
+
+
+def test_blocks_of_the_wrong_shape_are_refused(library):
+    with pytest.raises(ValueError):
+        PackedLinear.pack_blocks(library, WeightForm.Q4_1, torch.zeros(4, 20, dtype=torch.uint8), 4, 40)
+
+
+def test_unpacked_gives_the_values_the_kernel_widens_to(library):
+    blocks = random_blocks(WeightForm.Q4_1, 40, 64)
+    packed = PackedLinear.pack_blocks(library, WeightForm.Q4_1, blocks, 40, 64)
+    expected = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType.Q4_1))
+    assert torch.equal(packed.unpacked().view(torch.int32), expected.view(torch.int32))
+    weight = torch.randn(33, 7).bfloat16()
+    assert torch.equal(PackedLinear.pack(library, weight).unpacked(), weight.float())
+
+
+def test_a_bfloat16_checkpoint_stays_bfloat16_and_a_float32_one_float32(tmp_path, default_tokenizer):
+    hf = tiny_hf_model()
+    float32 = load_model(*_saved(hf, tmp_path / "f32", default_tokenizer))
+    bf16 = load_model(*_saved(hf.to(torch.bfloat16), tmp_path / "bf16", default_tokenizer))
+    assert {p.form for p in float32.model._packed.values()} == {WeightForm.F32}
+    assert {p.form for p in bf16.model._packed.values()} == {WeightForm.BF16}
+    assert bf16.model.dtype == torch.float32
+    # The kernel computes with the checkpoint's own values.
+    for loaded_layer, layer in zip(bf16.model.layers, hf.model.layers, strict=True):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+            packed = bf16.model._packed[loaded_layer.get_submodule(name)]
+            assert torch.equal(packed.unpacked(), layer.get_submodule(name).weight.float())
+
+
+def _saved(hf, folder, tokenizer) -> tuple:
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder), folder / "cache", "cpu", "auto", 0, True
+
