@@ -77,7 +77,9 @@ class PackedLinear:
     def unpacked(self) -> torch.Tensor:
         """The float32 weight [N, K] the kernel computes with: the values it widens its form to."""
         weight = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        self.library.sl_unpack(self.form, self.panels.data_ptr(), self.out_features, self.in_features, weight.data_ptr())
+        self.library.sl_unpack(
+            self.form, self.panels.data_ptr(), self.out_features, self.in_features, weight.data_ptr()
+        )
         return weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

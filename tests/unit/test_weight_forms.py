@@ -116,4 +116,3 @@ def _saved(hf, folder, tokenizer) -> tuple:
     hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder), folder / "cache", "cpu", "auto", 0, True
-
