@@ -16,6 +16,8 @@ from engine.request import SamplingParams
 from tests.conftest import CACHE_DIR
 from tests.unit.helpers import collect, tiny_engine
 
+pytestmark = pytest.mark.slow
+
 REFERENCE = Path(__file__).parent / "reference_outputs.json"
 PROMPTS = [
     "The capital of France is",
