@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from app.errors import OpenAIError
+from app.serving.json_schema import decoded_schema
 from app.serving.tools import Function, ToolUse, parameters_schema
 from engine.request import SamplingParams
 from engine.sampling.grammar import GrammarSpec
@@ -53,7 +54,8 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
     def grammar(self) -> GrammarSpec | None:
-        return format_grammar(self.type, self.json_schema.schema_ if self.json_schema else None, "response_format")
+        fmt = self.json_schema
+        return format_grammar(self.type, fmt.schema_ if fmt else None, fmt.strict if fmt else None, "response_format")
 
 
 class StructuredOutputs(_Request):
@@ -71,7 +73,7 @@ class StructuredOutputs(_Request):
             *([GrammarSpec("regex", self.regex)] if self.regex is not None else []),
             *([GrammarSpec.choice(self.choice)] if self.choice is not None else []),
             *([GrammarSpec("grammar", self.grammar)] if self.grammar is not None else []),
-            *([format_grammar("json_object", None, param)] if self.json_object else []),
+            *([format_grammar("json_object", None, None, param)] if self.json_object else []),
         ]
         if len(found) != 1:
             raise OpenAIError(
@@ -80,18 +82,19 @@ class StructuredOutputs(_Request):
         return found[0]
 
 
-def format_grammar(kind: str, schema: dict | bool | None, param: str) -> GrammarSpec | None:
-    """The grammar of an output format (chat's `response_format`, Responses' `text.format`)."""
+def format_grammar(kind: str, schema: dict | bool | None, strict: bool | None, param: str) -> GrammarSpec | None:
+    """The grammar of an output format (chat's `response_format`, Responses' `text.format`); a schema
+    is read as strict mode reads it unless `strict` is False (json_schema.py)."""
     if kind == "text":
         return None
     if kind == "json_object":
         return GrammarSpec.json_schema({"type": "object"})
     if schema is None:
         raise OpenAIError(400, f"{param} of type json_schema needs a schema", param=param)
-    return _json_spec(schema, param)
+    return _json_spec(schema, param, strict)
 
 
-def _json_spec(schema: dict | bool | str, param: str) -> GrammarSpec:
+def _json_spec(schema: dict | bool | str, param: str, strict: bool | None = None) -> GrammarSpec:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -99,7 +102,7 @@ def _json_spec(schema: dict | bool | str, param: str) -> GrammarSpec:
             raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, (dict, bool)):
         raise OpenAIError(400, f"{param} must be a JSON schema (an object)", param=param)
-    return GrammarSpec.json_schema(schema)
+    return GrammarSpec.json_schema(decoded_schema(schema, strict))
 
 
 class _SamplingRequest(_Request):
@@ -277,7 +280,7 @@ def resolve_tool_use(
         raise OpenAIError(400, "tools: function names must be unique", param="tools")
     if named is not None and named not in names:
         raise OpenAIError(400, f"tool_choice names the function {named!r}, which is not in tools", param="tool_choice")
-    offered = tuple(Function(f.name, f.description, parameters_schema(f.parameters)) for f in functions)
+    offered = tuple(Function(f.name, f.description, parameters_schema(f.parameters), f.strict) for f in functions)
     return ToolUse(offered, named or choice or "auto", parallel)
 
 

@@ -120,7 +120,7 @@ class ResponsesRequest(_SamplingRequest):
             raise OpenAIError(
                 400, f"only one output constraint may be given, got text.format and {other[1]}", param=other[1]
             )
-        return format_grammar(fmt.type, fmt.schema_, "text.format"), "text.format"
+        return format_grammar(fmt.type, fmt.schema_, fmt.strict, "text.format"), "text.format"
 
     def tool_use(self) -> ToolUse | None:
         named = self.tool_choice.name if isinstance(self.tool_choice, NamedFunctionChoice) else None
