@@ -99,11 +99,10 @@ class StreamChannel:
         # Written by one thread each; reads of a Python int from the other are atomic.
         self._pushed_tokens = 0
         self._read_tokens = 0
-        # A reader that can take some chunks itself, on the loop, without being woken (a plain SSE
-        # stream writes them straight to its socket): its task's wake-up and every layer between here
-        # and the socket were about a quarter of the loop's time per token. Offered a chunk only while the reader
-        # waits with nothing pending, so nothing overtakes what it was handed before; returns whether
-        # it took the chunk.
+        # A reader that can take some chunks itself, on the loop, without being woken: the fast path of
+        # app/serving/sse.py's WriteThroughStream, whose contract this keeps. Offered a chunk only while
+        # the reader waits with nothing pending, so nothing overtakes what it was handed before; returns
+        # whether it took the chunk, and a chunk taken is counted as read.
         self.write_through: Callable[[Chunk], bool] | None = None
 
     # Engine thread side.

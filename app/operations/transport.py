@@ -11,11 +11,11 @@ The parser is httptools when it is installed (uvicorn's own choice, and cheaper 
 event than h11), else h11; both get the same bound.
 
 BodyWriter writes what uvicorn's `send` would for a body message of a chunked response,
-without the ASGI call: a plain SSE stream's text deltas are written from the engine's
-callback on the loop (StreamChannel.write_through), with no task woken and no layer
-crossed. It writes only where `send` would not wait (the transport below its high-water
-mark, the client connected) and otherwise says no, so the stream falls back to `send`,
-which waits for the client as before: back-pressure is unchanged.
+without the ASGI call: the connection of the fast path (app/serving/sse.py's
+WriteThroughStream, whose contract it keeps). It writes only where `send` would not wait (the
+transport below its high-water mark, the client connected) and otherwise says no, so the
+stream falls back to `send`, which waits for the client as before: back-pressure is unchanged.
+NOTE: it reads uvicorn's private request cycle, hence uvicorn's upper bound in pyproject.toml.
 """
 
 from __future__ import annotations

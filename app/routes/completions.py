@@ -8,7 +8,8 @@ from sse_starlette import EventSourceResponse
 from app.operations.admission import admit, require_api_key
 from app.serving.prompting import text_prompt_ids
 from app.serving.protocol import Completion, CompletionRequest
-from app.serving.streaming import Generation, event_stream
+from app.serving.sse import event_stream
+from app.serving.streaming import Generation
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

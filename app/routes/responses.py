@@ -13,7 +13,8 @@ from app.operations.admission import admit, require_api_key
 from app.serving.prompting import chat_prompt_ids, continuation_ids
 from app.serving.responses import Conversation, ResponseRun, new_response_id
 from app.serving.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
-from app.serving.streaming import Generation, event_stream
+from app.serving.sse import event_stream
+from app.serving.streaming import Generation
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

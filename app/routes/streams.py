@@ -7,7 +7,7 @@ from sse_starlette import EventSourceResponse
 
 from app.errors import OpenAIError
 from app.operations.admission import require_api_key
-from app.serving.streaming import event_stream
+from app.serving.sse import event_stream
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

@@ -31,7 +31,8 @@ from app.serving.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from app.serving.streaming import timings_payload
+from app.serving.sse import sse_event
+from app.serving.streaming import ENDED_IN_ERROR, ChunkReader, timings_payload
 from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser, ToolUse
 from engine.channel import Chunk, StreamChannel
 from engine.request import FinishReason
@@ -109,22 +110,18 @@ class ResponseRun:
         self._emit("response.in_progress", response=self._snapshot())
         terminal: Chunk | None = None
         try:
-            async for chunk in self.channel:
-                if self.accounting is not None:
-                    self.accounting.on_chunk(chunk)
-                self.conversation.output_ids += chunk.token_ids
-                self.conversation.output_text += chunk.text
-                if chunk.finish_reason in (FinishReason.ERROR, FinishReason.REJECTED, FinishReason.CANCELLED):
-                    terminal = chunk
-                    break
-                for piece in self._pieces(chunk):
-                    self._on_piece(piece)
-                if chunk.is_terminal:
-                    terminal = chunk
+            async with ChunkReader(self.channel, self.accounting) as chunks:
+                async for chunk in chunks:
+                    self.conversation.output_ids += chunk.token_ids
+                    self.conversation.output_text += chunk.text
+                    if chunk.finish_reason in ENDED_IN_ERROR:
+                        terminal = chunk
+                        break
+                    for piece in self._pieces(chunk):
+                        self._on_piece(piece)
+                    if chunk.is_terminal:
+                        terminal = chunk
         finally:
-            self.channel.cancel()
-            if self.accounting is not None:
-                self.accounting.close(abandoned=terminal is None)
             self._finish(terminal)
             self._log.close()
 
@@ -241,7 +238,7 @@ class ResponseRun:
     def _emit(self, kind: str, **fields) -> None:
         sequence = len(self._log)
         data = json.dumps({"type": kind, "sequence_number": sequence, **fields}, separators=(",", ":"))
-        self._log.append(f"event: {kind}\nid: {sequence}\ndata: {data}\n\n".encode())
+        self._log.append(sse_event(sequence, data, event=kind))
 
 
 def _part(text: str) -> dict:

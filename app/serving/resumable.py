@@ -6,23 +6,18 @@ the log from any event id. Nobody subscribed for the resume window: the request
 is cancelled (unless it has finished) and the log dropped. A finished stream is
 kept that long too: the events a server writes, [DONE] included, can still be
 lost on their way when the connection breaks, and the client then comes back for
-them. A plain stream is read by its response alone, and writes its text deltas
-straight to the connection where it can.
+them. A plain stream (app/serving/sse.py) is read by its response alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 from app.operations.sends import SendBatch
-from app.operations.transport import BodyWriter
 from app.serving.event_log import EventLog
-from app.serving.streaming import Generation, sse_event
-from engine.channel import Chunk
-
-logger = logging.getLogger(__name__)
+from app.serving.sse import PlainStream, sse_event
+from app.serving.streaming import Generation
 
 
 class ResumableStream:
@@ -137,71 +132,3 @@ class StreamRegistry:
     def forget(self, stream: ResumableStream) -> None:
         if self.holds(stream):
             del self._resumable[stream.generation.completion_id]
-
-
-class PlainStream:
-    """A stream that is not resumable: its SSE events numbered from 1, and the reader's disconnect
-    cancels the request at once.
-
-    Given its connection (`write_through`, by the SSE response), the chunks that carry only text go
-    out from the engine's callback while the reader waits (StreamChannel.write_through): at hundreds
-    of streams, waking each stream's task and passing each event through the generators and `send`
-    layers below took about a quarter of the event loop's time per token. Every other chunk (the role, a
-    choice's last, logprobs, tool calls, usage, [DONE]), and any chunk the connection would have to
-    wait for, goes the general way, through `events` and `send`, numbered from the same count.
-    """
-
-    def __init__(self, generation: Generation, live: dict[str, Generation], sends: SendBatch | None = None) -> None:
-        self.generation = generation
-        # Where the response's BodyWriter stages what it writes through (see app/operations/sends.py).
-        self.sends = sends
-        self._live = live
-        self._num_events = 0
-        self._body: BodyWriter | None = None
-        self._events = self._numbered()
-
-    def write_through(self, body: BodyWriter) -> None:
-        self._body = body
-        self.generation.channel.write_through = self._write
-
-    def _write(self, chunk: Chunk) -> bool:
-        written = False
-        try:
-            payload = self.generation.content_delta(chunk)
-            if payload is not None:
-                written = self._body.write(sse_event(self._num_events + 1, payload))
-            if written:
-                self._num_events += 1
-                if self.generation.accounting is not None:
-                    self.generation.accounting.on_chunk(chunk)
-        except Exception:
-            # This runs in the callback that delivers every stream's chunks of a step: a fault here
-            # must not cost the others theirs. This stream goes the general way from now on (a chunk
-            # already written is not handed on again).
-            logger.exception("writing a stream's event through failed; it goes through `send` from now on")
-            self.generation.channel.write_through = None
-        return written
-
-    def __aiter__(self) -> PlainStream:
-        return self
-
-    def __anext__(self) -> Awaitable[bytes]:
-        return self._events.__anext__()
-
-    def aclose(self) -> Awaitable[None]:
-        return self._events.aclose()
-
-    async def _numbered(self) -> AsyncGenerator[bytes]:
-        generation = self.generation
-        self._live[generation.completion_id] = generation
-        payloads = generation.events()
-        try:
-            async for data in payloads:
-                self._num_events += 1
-                yield sse_event(self._num_events, data)
-        finally:
-            # Close the inner generator now, not whenever it is collected: that cancels the request.
-            await payloads.aclose()
-            self._live.pop(generation.completion_id, None)
-            # The channel and this stream refer to each other through it: freed at once, not by the collector.
-            generation.channel.write_through = None

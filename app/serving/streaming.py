@@ -15,13 +15,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sse_starlette import EventSourceResponse
-from starlette.types import Message, Receive, Scope, Send
-
 from app.errors import OpenAIError, error_body
 from app.operations.accounting import Accounting
-from app.operations.front_door import BODY_SEND
-from app.operations.transport import BodyWriter
 from app.serving.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -60,7 +55,33 @@ _json_text = json.JSONEncoder(ensure_ascii=False).encode
 # Stands for a delta's text while a chunk template is rendered; never in an id or a model name.
 _TEXT_SLOT = "\u0001sluice-text\u0001"
 # Finish reasons that end a choice with an error event instead of its last delta.
-_ENDED_IN_ERROR = (FinishReason.ERROR, FinishReason.REJECTED, FinishReason.CANCELLED)
+ENDED_IN_ERROR = (FinishReason.ERROR, FinishReason.REJECTED, FinishReason.CANCELLED)
+
+
+class ChunkReader:
+    """A response's reading of its channel: every chunk it reads is accounted for, and leaving (at the
+    end, on an error or the client's disconnect) cancels the request in the engine and closes its
+    accounting, abandoned if a choice had not finished."""
+
+    def __init__(self, channel: StreamChannel, accounting: Accounting | None, num_choices: int = 1) -> None:
+        self.channel = channel
+        self.accounting = accounting
+        self.open_choices = num_choices
+
+    async def __aenter__(self) -> ChunkReader:
+        return self
+
+    async def __aexit__(self, *_) -> None:
+        self.channel.cancel()
+        if self.accounting is not None:
+            self.accounting.close(abandoned=self.open_choices > 0)
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        async for chunk in self.channel:
+            if self.accounting is not None:
+                self.accounting.on_chunk(chunk)
+            self.open_choices -= chunk.is_terminal
+            yield chunk
 
 
 @dataclass
@@ -131,17 +152,16 @@ class Generation:
         cancels the request in the engine."""
         cached_tokens = 0
         text_offsets = [0] * self.num_choices
-        open_choices = self.num_choices
         parsers = [ToolCallParser() for _ in range(self.num_choices)] if self.parses_tools else None
-        try:
+        async with ChunkReader(self.channel, self.accounting, self.num_choices) as chunks:
             if self.kind == "chat":
                 for index in range(self.num_choices):
                     yield self._chat_chunk(index, ChatDelta(role="assistant", content=""))
-            async for chunk in self.channel:
-                if self.accounting is not None:
-                    self.accounting.on_chunk(chunk)
-                open_choices -= chunk.is_terminal
-                if chunk.finish_reason in _ENDED_IN_ERROR:
+            async for chunk in chunks:
+                if (payload := self.content_delta(chunk)) is not None:
+                    yield payload
+                    continue
+                if chunk.finish_reason in ENDED_IN_ERROR:
                     yield _error_json(chunk)
                     break
                 if parsers is not None:
@@ -159,24 +179,16 @@ class Generation:
                     # The channel's count: chunks written through (see content_delta) never pass here.
                     yield self._usage_chunk(self.channel.read_tokens, cached_tokens)
             yield DONE
-        finally:
-            self.channel.cancel()
-            if self.accounting is not None:
-                self.accounting.close(abandoned=open_choices > 0)
 
     async def fold(self) -> ChatCompletion | Completion:
         """The whole response at once: the same chunks, concatenated per choice."""
         choices = [_Choice() for _ in range(self.num_choices)]
         completion_tokens = 0
-        open_choices = self.num_choices
-        try:
-            async for chunk in self.channel:
-                if self.accounting is not None:
-                    self.accounting.on_chunk(chunk)
-                open_choices -= chunk.is_terminal
+        async with ChunkReader(self.channel, self.accounting, self.num_choices) as chunks:
+            async for chunk in chunks:
                 if chunk.finish_reason == FinishReason.REJECTED:
                     raise OpenAIError(400, chunk.error or "the request cannot be served by this model")
-                if chunk.finish_reason in _ENDED_IN_ERROR:
+                if chunk.finish_reason in ENDED_IN_ERROR:
                     raise OpenAIError(500, chunk.error or "the request was cancelled", code="engine_error")
                 completion_tokens += len(chunk.token_ids)
                 choice = choices[chunk.index]
@@ -184,10 +196,6 @@ class Generation:
                 choice.logprobs.extend(chunk.logprobs)
                 if chunk.is_terminal:
                     choice.finish_reason, choice.timings = chunk.finish_reason.value, chunk.timings
-        finally:
-            self.channel.cancel()
-            if self.accounting is not None:
-                self.accounting.close(abandoned=open_choices > 0)
         ids = {"id": self.completion_id, "created": self.created, "model": self.model}
         # The last choice to finish has seen the whole request through.
         last = max((c.timings for c in choices if c.timings), key=lambda t: t.ttft_ms + t.decode_ms, default=None)
@@ -259,9 +267,9 @@ class Generation:
 
     def content_delta(self, chunk: Chunk) -> str | None:
         """The payload of a chunk that carries only text (not a choice's last, no logprobs, no tool
-        parsing), which `events` would yield and nothing else; None for any other chunk. The hot path,
-        once per chunk of every stream: a pre-rendered chunk with the text spliced in. A plain stream
-        writes these straight to its socket (PlainStream), so they need no state of `events`."""
+        parsing), which is all `events` yields for it (its first step); None for any other chunk. The
+        fast path writes these itself (app/serving/sse.py), so they must need no state of `events`.
+        The hot path, once per chunk of every stream: a pre-rendered chunk with the text spliced in."""
         if chunk.finish_reason is not None or not chunk.text or self.wants_logprobs or self.parses_tools:
             return None
         return self._text_delta(chunk)
@@ -391,72 +399,3 @@ def _error_json(chunk: Chunk) -> str:
     else:
         body = error_body(500, chunk.error or "generation failed", code="engine_error")
     return json.dumps(body)
-
-
-def sse_event(event_id: int, data: str) -> bytes:
-    """One encoded SSE event, as sse-starlette encodes it with `sep="\\n"`; built here because its
-    general encoder costs more per event than the rest of the stream's path. `data` is compact
-    JSON or [DONE], never a line break, so it is one `data:` line."""
-    return f"id: {event_id}\ndata: {data}\n\n".encode()
-
-
-class _EventSourceResponse(EventSourceResponse):
-    """sse-starlette's response, minus a cancel scope around every send when no send timeout is
-    set (it cost about a sixth of the event loop's time per event under load), with the body's
-    events sent straight to the front door's `send` (front_door.BODY_SEND) where there is one; and a
-    body that can write some events itself (`write_through`, PlainStream) is given the connection.
-
-    Its parts run as sse-starlette runs them (the stream, the client's disconnect, the server's
-    exit signal and the pings; the first to end ends the others), but as plain asyncio tasks
-    rather than in an anyio task group, whose scopes and checks were most of what the response cost
-    the event loop on a short request (docs/design/host-path.md, "Cheap events")."""
-
-    _body_send: Send | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._body_send = scope.get(BODY_SEND)
-        write_through = getattr(self.body_iterator, "write_through", None)
-        if write_through is not None and self._body_send is not None and self.send_timeout is None:
-            if body := BodyWriter.of(self._body_send, getattr(self.body_iterator, "sends", None)):
-                write_through(body)
-        if scope["type"] != "http" or scope["method"] == "HEAD" or self.data_sender_callable is not None:
-            await super().__call__(scope, receive, send)
-            return
-        parts = [
-            asyncio.ensure_future(self._stream_response(send)),
-            asyncio.ensure_future(self._listen_for_disconnect(receive)),
-            asyncio.ensure_future(self._listen_for_exit_signal_with_grace()),
-        ]
-        if self._ping_interval > 0:
-            parts.append(asyncio.ensure_future(self._ping(send)))
-        try:
-            done, _ = await asyncio.wait(parts, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for part in parts:
-                part.cancel()
-            await asyncio.gather(*parts, return_exceptions=True)
-        # As the task group would: a part's failure is the response's (the stream's first).
-        for part in parts:
-            if part in done and not part.cancelled() and part.exception() is not None:
-                raise part.exception()
-        if self.background is not None:
-            await self.background()
-
-    async def _send_with_timeout(self, send: Send, message: Message) -> None:
-        if self.send_timeout is not None:
-            await super()._send_with_timeout(send, message)
-        elif self._body_send is not None and message["type"] == "http.response.body":
-            await self._body_send(message)
-        else:
-            await send(message)
-
-
-def event_stream(events: AsyncIterator[bytes], keepalive_seconds: float) -> EventSourceResponse:
-    """The SSE response, returned before the first token exists; a comment every
-    `keepalive_seconds` keeps proxies from closing a quiet stream."""
-    return _EventSourceResponse(
-        events,
-        ping=keepalive_seconds,
-        sep="\n",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )

@@ -3,7 +3,7 @@ counts every token, and a fault while writing through costs no event."""
 
 import asyncio
 
-from app.serving.resumable import PlainStream
+from app.serving.sse import PlainStream
 from app.serving.streaming import Generation
 from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import TokenBytes

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from app.serving.streaming import event_stream
+from app.serving.sse import event_stream
 
 SCOPE = {"type": "http", "method": "POST", "headers": []}
 
