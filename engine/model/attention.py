@@ -13,21 +13,32 @@ read K/V through the block table instead: one for the decodes, one for all the
 prefill chunks together. With the batch-invariant
 kernels every query, decode or chunk, reads its own request's keys through the
 block table in one call (engine/kernels/invariant.py).
+
+Each of the three has its own metadata type, built once per step by its `build` from the
+step's segments and never changed after.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.invariant import KernelAttentionMetadata, invariant_paged_attention
+from engine.kv_cache import flat_block_tables
+from engine.model.uploads import long_tensor
+
+if TYPE_CHECKING:
+    from engine.model.runner import Segment
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillChunk:
     """One request's multi-token slice of the batch."""
 
@@ -42,7 +53,7 @@ class PrefillChunk:
     mask: torch.Tensor | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PagedDecode:
     """The decodes' block tables and context lengths, for a kernel that reads the cache through them
     (engine/kernels/paged_decode.py on a GPU) instead of a padded gather of every context."""
@@ -55,7 +66,7 @@ class PagedDecode:
     block_size: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class PagedPrefill:
     """Every prefill chunk of the step for one kernel call that reads the cache through the chunks'
     block tables (engine/kernels/paged_prefill.py on a GPU) instead of a gather and a call per chunk."""
@@ -97,25 +108,195 @@ def gpu_attention(
     )
 
 
-@dataclass
-class AttentionMetadata:
-    """Where each token's K/V is written and which cached K/V each query reads."""
+@dataclass(frozen=True)
+class TorchMetadata:
+    """torch's SDPA: the decodes in one batched call over their contexts gathered and padded, and a
+    causal call per prefill chunk."""
 
     # [T] cache slot that receives each token's K/V.
     slot_mapping: torch.Tensor
     # Decodes are tokens [0, num_decode_tokens) of the batch.
     num_decode_tokens: int
-    # [D, L] slots each decode reads, padded to the longest context L.
+    # [D, L] slots each decode reads, padded to the longest context L; None without decodes.
     decode_slots: torch.Tensor | None
     # [D, 1, 1, L] True for slots inside each decode's context.
     decode_mask: torch.Tensor | None
-    prefills: list[PrefillChunk]
-    # For the batch-invariant kernels instead of the fields above (they are then empty).
-    kernel: KernelAttentionMetadata | None = None
-    # For a paged decode kernel instead of decode_slots and decode_mask.
-    paged_decode: PagedDecode | None = None
-    # For a paged prefill kernel instead of prefills.
-    paged_prefill: PagedPrefill | None = None
+    prefills: tuple[PrefillChunk, ...]
+
+    @classmethod
+    def build(cls, segments: Sequence[Segment], slot_mapping: torch.Tensor, block_size: int) -> TorchMetadata:
+        device = slot_mapping.device
+        prefills = []
+        offset = 0
+        for segment in segments:
+            num_new = len(segment.token_ids)
+            if num_new > 1:
+                prefills.append(_prefill_chunk(segment, offset, block_size, device))
+            offset += num_new
+        decodes = [segment for segment in segments if len(segment.token_ids) == 1]
+        decode_slots = decode_mask = None
+        if decodes:
+            decode_slots, decode_mask = _decode_context(decodes, block_size, device)
+        return cls(slot_mapping, len(decodes), decode_slots, decode_mask, tuple(prefills))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        out = torch.empty_like(q)
+        num_decodes = self.num_decode_tokens
+        if num_decodes:
+            # Grouped-query attention without copying K/V: the query heads that share a
+            # KV head sit on the "query length" axis of one SDPA call.
+            group = num_heads // num_kv_heads
+            qd = q[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
+            kd = k_cache[self.decode_slots].transpose(1, 2)
+            vd = v_cache[self.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask, scale=scale)
+            out[:num_decodes] = od.reshape(num_decodes, num_heads, head_dim)
+        for chunk in self.prefills:
+            end = chunk.start + chunk.num_tokens
+            qc = q[chunk.start : end].transpose(0, 1)
+            if chunk.context_slots is None:
+                kc, vc = k[chunk.start : end], v[chunk.start : end]
+            else:
+                kc, vc = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+            oc = F.scaled_dot_product_attention(
+                qc,
+                kc.transpose(0, 1),
+                vc.transpose(0, 1),
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[chunk.start : end] = oc.transpose(0, 1)
+        return out
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    """The GPU's Triton paged kernels: one call for the decodes and one for every prefill chunk, each
+    reading the cache through block tables."""
+
+    # [T] cache slot that receives each token's K/V.
+    slot_mapping: torch.Tensor
+    # Decodes are tokens [0, num_decode_tokens) of the batch.
+    num_decode_tokens: int
+    # None without decodes.
+    decode: PagedDecode | None
+    # None without prefill chunks.
+    prefill: PagedPrefill | None
+
+    @classmethod
+    def build(
+        cls, kernels: GpuAttention, segments: Sequence[Segment], slot_mapping: torch.Tensor, block_size: int
+    ) -> TritonMetadata:
+        device = slot_mapping.device
+        chunk_segments: list[Segment] = []
+        chunks, tiles = array("q"), array("q")
+        offset = 0
+        for segment in segments:
+            num_new = len(segment.token_ids)
+            if num_new > 1:
+                chunks.extend((offset, num_new, segment.start))
+                for first in range(0, num_new, kernels.queries_per_tile):
+                    tiles.extend((len(chunk_segments), first))
+                chunk_segments.append(segment)
+            offset += num_new
+        prefill = None
+        if chunk_segments:
+            prefill = PagedPrefill(
+                kernel=kernels.prefill,
+                block_tables=block_tables(chunk_segments, block_size, device),
+                chunks=long_tensor(chunks, device).view(-1, 3),
+                tiles=long_tensor(tiles, device).view(-1, 2),
+                block_size=block_size,
+            )
+        decodes = [segment for segment in segments if len(segment.token_ids) == 1]
+        decode = None
+        if decodes:
+            decode = PagedDecode(
+                kernel=kernels.decode,
+                block_tables=block_tables(decodes, block_size, device),
+                context_lens=long_tensor([segment.start + 1 for segment in decodes], device),
+                block_size=block_size,
+            )
+        return cls(slot_mapping, len(decodes), decode, prefill)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if self.decode is not None:
+            decode, num_decodes = self.decode, self.num_decode_tokens
+            out[:num_decodes] = decode.kernel(
+                q[:num_decodes], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
+            )
+        if self.prefill is not None:
+            prefill = self.prefill
+            prefill.kernel(
+                q, k_cache, v_cache, out, prefill.block_tables, prefill.chunks, prefill.tiles, prefill.block_size, scale
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class InvariantMetadata:
+    """The batch-invariant CPU kernel: every token reads its own request's keys 0 .. its position
+    through the block table, decode or chunk alike, in one call."""
+
+    # [T] cache slot that receives each token's K/V.
+    slot_mapping: torch.Tensor
+    kernel: KernelAttentionMetadata
+
+    @classmethod
+    def build(
+        cls,
+        library: ctypes.CDLL,
+        segments: Sequence[Segment],
+        slot_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        segment_rows: array,
+        block_size: int,
+    ) -> InvariantMetadata:
+        """`segment_rows`: each token's segment, its row of the block tables."""
+        device = slot_mapping.device
+        kernel = KernelAttentionMetadata(
+            library=library,
+            block_tables=block_tables(segments, block_size, device),
+            table_rows=long_tensor(segment_rows, device),
+            context_lens=positions + 1,
+            block_size=block_size,
+        )
+        return cls(slot_mapping, kernel)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return invariant_paged_attention(q, k_cache, v_cache, self.kernel, scale)
+
+
+AttentionMetadata = TorchMetadata | TritonMetadata | InvariantMetadata
 
 
 def paged_attention(
@@ -130,48 +311,41 @@ def paged_attention(
     """q [T, H, hd], k/v [T, KVH, hd] → [T, H, hd]; writes this step's K/V into the cache first."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if meta.kernel is not None:
-        return invariant_paged_attention(q, k_cache, v_cache, meta.kernel, scale)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    out = torch.empty_like(q)
+    return meta.attend(q, k, v, k_cache, v_cache, scale)
 
-    num_decodes = meta.num_decode_tokens
-    if num_decodes and meta.paged_decode is not None:
-        decode = meta.paged_decode
-        out[:num_decodes] = decode.kernel(
-            q[:num_decodes], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
-        )
-    elif num_decodes:
-        # Grouped-query attention without copying K/V: the query heads that share a
-        # KV head sit on the "query length" axis of one SDPA call.
-        group = num_heads // num_kv_heads
-        qd = q[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
-        kd = k_cache[meta.decode_slots].transpose(1, 2)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:num_decodes] = od.reshape(num_decodes, num_heads, head_dim)
 
-    if meta.paged_prefill is not None:
-        prefill = meta.paged_prefill
-        prefill.kernel(
-            q, k_cache, v_cache, out, prefill.block_tables, prefill.chunks, prefill.tiles, prefill.block_size, scale
-        )
-    for chunk in meta.prefills:
-        end = chunk.start + chunk.num_tokens
-        qc = q[chunk.start : end].transpose(0, 1)
-        if chunk.context_slots is None:
-            kc, vc = k[chunk.start : end], v[chunk.start : end]
-        else:
-            kc, vc = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
-        oc = F.scaled_dot_product_attention(
-            qc,
-            kc.transpose(0, 1),
-            vc.transpose(0, 1),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[chunk.start : end] = oc.transpose(0, 1)
-    return out
+def block_tables(segments: Sequence[Segment], block_size: int, device: torch.device) -> torch.Tensor:
+    """[S, W] block table of each segment's request, as far as its last token needs, padded with block 0."""
+    width = max(-(-(segment.start + len(segment.token_ids)) // block_size) for segment in segments)
+    return table_tensor([segment.request.block_table for segment in segments], width, device)
+
+
+def table_tensor(tables: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """[len(tables), width]: each table cut or padded with block 0 to `width`."""
+    return long_tensor(flat_block_tables(tables, width), device).view(len(tables), width)
+
+
+def _prefill_chunk(segment: Segment, batch_start: int, block_size: int, device: torch.device) -> PrefillChunk:
+    start, num_new = segment.start, len(segment.token_ids)
+    if start == 0:
+        return PrefillChunk(batch_start, num_new, context_slots=None, mask=None)
+    end = start + num_new
+    table = segment.request.block_table
+    context = long_tensor([table[p // block_size] * block_size + p % block_size for p in range(end)], device)
+    query_pos = torch.arange(start, end, device=device).unsqueeze(1)
+    mask = torch.arange(end, device=device).unsqueeze(0) <= query_pos
+    return PrefillChunk(batch_start, num_new, context_slots=context, mask=mask)
+
+
+def _decode_context(
+    decodes: Sequence[Segment], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of every decode's context, padded to the longest, and the mask of real ones."""
+    context_lens = [segment.start + 1 for segment in decodes]
+    max_len = max(context_lens)
+    max_blocks = -(-max_len // block_size)
+    tables = table_tensor([segment.request.block_table for segment in decodes], max_blocks, device)
+    offsets = torch.arange(block_size, device=device)
+    slots = (tables.unsqueeze(-1) * block_size + offsets).view(len(decodes), -1)[:, :max_len]
+    mask = torch.arange(max_len, device=device).unsqueeze(0) < long_tensor(context_lens, device).unsqueeze(1)
+    return slots, mask.view(len(decodes), 1, 1, max_len)

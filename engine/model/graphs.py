@@ -30,7 +30,7 @@ import torch
 
 from engine.future_tokens import resolved
 from engine.kv_cache import KVCache, flat_block_tables
-from engine.model.attention import AttentionMetadata, GpuAttention, PagedDecode
+from engine.model.attention import GpuAttention, PagedDecode, TritonMetadata
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 
 logger = logging.getLogger(__name__)
@@ -162,19 +162,13 @@ class DecodeGraphs:
         token_ids, positions, slots, context_lens = (row[:bucket] for row in self.inputs)
         if self.placeholders is not None:
             token_ids = resolved(token_ids, self.placeholders)
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            num_decode_tokens=bucket,
-            decode_slots=None,
-            decode_mask=None,
-            prefills=[],
-            paged_decode=PagedDecode(
-                kernel=self.attention.decode,
-                block_tables=self.block_tables[:bucket],
-                context_lens=context_lens,
-                block_size=self.block_size,
-            ),
+        decode = PagedDecode(
+            kernel=self.attention.decode,
+            block_tables=self.block_tables[:bucket],
+            context_lens=context_lens,
+            block_size=self.block_size,
         )
+        meta = TritonMetadata(slot_mapping=slots, num_decode_tokens=bucket, decode=decode, prefill=None)
         return self.model.forward(token_ids, positions, meta, self.kv_cache, self.logits_indices[:bucket])
 
     def _free_memory(self) -> int:

@@ -9,12 +9,17 @@ from enum import Enum
 
 import torch
 
-from engine.kernels.invariant import KernelAttentionMetadata
-from engine.kv_cache import KVCache, flat_block_tables
-from engine.model.attention import AttentionMetadata, PagedDecode, PagedPrefill, PrefillChunk, gpu_attention
+from engine.kv_cache import KVCache
+from engine.model.attention import (
+    AttentionMetadata,
+    InvariantMetadata,
+    TorchMetadata,
+    TritonMetadata,
+    gpu_attention,
+)
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import DecodeGraphs, Replay
-from engine.model.uploads import upload
+from engine.model.uploads import long_tensor
 from engine.request import Request
 from engine.scheduler import StepPlan
 
@@ -30,7 +35,7 @@ class Segment:
     """Consecutive tokens of one request computed in a forward, and which logits it wants.
 
     Not frozen: a step makes one per request, and a frozen dataclass's __init__ (a setattr per field)
-    cost about 2% of a 512-stream step."""
+    costs a measurable share of a step at hundreds of streams."""
 
     request: Request
     start: int
@@ -115,8 +120,8 @@ class ModelRunner:
         attend to the request's cached K/V before `start`.
         """
         input_ids, positions, slots, logits_indices = array("q"), array("q"), array("q"), array("q")
-        # Each token's segment: its row of the kernel's block tables (torch.repeat_interleave over the
-        # segments' lengths took 6% of a 64-stream step for this).
+        # Each token's segment: its row of the kernel's block tables, built here with the rest rather
+        # than by torch.repeat_interleave over the segments' lengths, which costs more per step.
         segment_rows = array("q")
         size = self.block_size
         for row, segment in enumerate(segments):
@@ -150,13 +155,16 @@ class ModelRunner:
             tables = [segment.request.block_table for segment in segments]
             return graphs.replay(input_ids, positions, slots, tables)
         position_tensor = self._tensor(positions)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), num_decode_tokens=0, decode_slots=None, decode_mask=None, prefills=[]
-        )
+        slot_mapping = self._tensor(slots)
+        meta: AttentionMetadata
         if self.model.kernels is not None:
-            meta.kernel = self._kernel_metadata(segments, position_tensor, segment_rows)
+            meta = InvariantMetadata.build(
+                self.model.kernels, segments, slot_mapping, position_tensor, segment_rows, self.block_size
+            )
+        elif self.gpu_attention is not None:
+            meta = TritonMetadata.build(self.gpu_attention, segments, slot_mapping, self.block_size)
         else:
-            self._torch_metadata(meta, segments)
+            meta = TorchMetadata.build(segments, slot_mapping, self.block_size)
         # Prompt tokens always get the full-precision weights, so a prompt's K/V and first token
         # never depend on the prefix cache or on what else is in the step.
         computes_prompt = any(s.start < s.request.num_prompt_tokens for s in segments)
@@ -187,93 +195,5 @@ class ModelRunner:
         table, size = request.block_table, self.block_size
         return [table[p // size] * size + p % size for p in range(start, end)]
 
-    def _kernel_metadata(
-        self, segments: list[Segment], positions: torch.Tensor, segment_rows: array
-    ) -> KernelAttentionMetadata:
-        """Each token reads its own request's keys 0 .. its position, through the block table."""
-        return KernelAttentionMetadata(
-            library=self.model.kernels,
-            block_tables=self._block_tables(segments),
-            table_rows=self._tensor(segment_rows),
-            context_lens=positions + 1,
-            block_size=self.block_size,
-        )
-
-    def _block_tables(self, segments: list[Segment]) -> torch.Tensor:
-        """[S, W] block table of each segment's request, as far as its last token needs, padded with block 0."""
-        width = max(-(-(segment.start + len(segment.token_ids)) // self.block_size) for segment in segments)
-        return self._table_tensor([segment.request.block_table for segment in segments], width)
-
-    def _torch_metadata(self, meta: AttentionMetadata, segments: list[Segment]) -> None:
-        """Decodes batched with their contexts gathered and padded; a causal call per prefill chunk.
-        On a GPU, one paged kernel call for the decodes and one for every prefill chunk instead."""
-        gpu = self.gpu_attention
-        chunk_segments: list[Segment] = []
-        chunks, tiles = array("q"), array("q")
-        offset = 0
-        for segment in segments:
-            num_new = len(segment.token_ids)
-            if num_new > 1 and gpu is not None:
-                chunks.extend((offset, num_new, segment.start))
-                for first in range(0, num_new, gpu.queries_per_tile):
-                    tiles.extend((len(chunk_segments), first))
-                chunk_segments.append(segment)
-            elif num_new > 1:
-                meta.prefills.append(
-                    self._prefill_chunk(segment.request, offset, segment.start, segment.start + num_new)
-                )
-            offset += num_new
-        if chunk_segments:
-            meta.paged_prefill = PagedPrefill(
-                kernel=gpu.prefill,
-                block_tables=self._block_tables(chunk_segments),
-                chunks=self._tensor(chunks).view(-1, 3),
-                tiles=self._tensor(tiles).view(-1, 2),
-                block_size=self.block_size,
-            )
-        decodes = [segment for segment in segments if len(segment.token_ids) == 1]
-        meta.num_decode_tokens = len(decodes)
-        if decodes and gpu is not None:
-            meta.paged_decode = PagedDecode(
-                kernel=gpu.decode,
-                block_tables=self._block_tables(decodes),
-                context_lens=self._tensor([segment.start + 1 for segment in decodes]),
-                block_size=self.block_size,
-            )
-        elif decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_context(
-                [segment.request for segment in decodes], [segment.start for segment in decodes]
-            )
-
-    def _prefill_chunk(self, request: Request, batch_start: int, start: int, end: int) -> PrefillChunk:
-        num_new = end - start
-        if start == 0:
-            return PrefillChunk(batch_start, num_new, context_slots=None, mask=None)
-        context = self._tensor(self._slots(request, 0, end))
-        query_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-        mask = torch.arange(end, device=self.device).unsqueeze(0) <= query_pos
-        return PrefillChunk(batch_start, num_new, context_slots=context, mask=mask)
-
-    def _decode_context(self, requests: list[Request], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots of every decode's context, padded to the longest, and the mask of real ones."""
-        context_lens = [start + 1 for start in starts]
-        max_len = max(context_lens)
-        max_blocks = -(-max_len // self.block_size)
-        tables = self._table_tensor([r.block_table for r in requests], max_blocks)
-        offsets = torch.arange(self.block_size, device=self.device)
-        slots = (tables.unsqueeze(-1) * self.block_size + offsets).view(len(requests), -1)[:, :max_len]
-        mask = torch.arange(max_len, device=self.device).unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)
-        return slots, mask.view(len(requests), 1, 1, max_len)
-
     def _tensor(self, values: Iterable[int]) -> torch.Tensor:
-        """A long tensor on the device. Built from an array's buffer: torch.tensor reads a list one
-        Python int at a time, about 3x slower, and a step makes several of these per forward."""
-        if not isinstance(values, array):
-            values = array("q", values)
-        if not values:
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        return upload(torch.frombuffer(values, dtype=torch.long), self.device)
-
-    def _table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
-        """[len(tables), width]: each table cut or padded with block 0 to `width`."""
-        return self._tensor(flat_block_tables(tables, width)).view(len(tables), width)
+        return long_tensor(values, self.device)
