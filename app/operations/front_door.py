@@ -32,7 +32,7 @@ _VALID_ID = re.compile(r"[\x21-\x7e]{1,128}")
 # Scope key of the `send` this layer was given: the server's own. An SSE response sends its body
 # events there: the layers in between (this one's request-id header, Starlette's error layer and its
 # two exception wrappers) act only on the response's start, and passing each of a stream's events
-# through them cost ~10% of the event loop's time per event at hundreds of streams.
+# through them would cost the event loop time per event at hundreds of streams.
 BODY_SEND = "sluice.body_send"
 
 

@@ -3,9 +3,9 @@ paths a stream's events take to the socket.
 
 Every event goes out by the slow path: the response iterates its body and sends each event through
 ASGI `send`. A plain stream's events that carry only text may also take the fast path: written to the
-connection from the engine's callback on the loop, while the stream's reader waits (at hundreds of
-streams, waking each stream's task and crossing the generator and `send` layers for every event was
-about a quarter of the event loop's time per token). `WriteThroughStream` states what both paths must
+connection from the engine's callback on the loop, while the stream's reader waits, so that no task is
+woken and no generator or `send` layer crossed for them (at hundreds of streams those were much of
+the event loop's time per token). `WriteThroughStream` states what both paths must
 keep; `PlainStream` is its one implementation. The fast path rests on private parts of two packages
 (pinned in pyproject.toml): uvicorn's httptools request cycle (transport.BodyWriter) and
 sse-starlette's EventSourceResponse internals (`_SseResponse` below).
@@ -131,7 +131,7 @@ class PlainStream(WriteThroughStream):
 
 class _SseResponse(EventSourceResponse):
     """sse-starlette's response, minus a cancel scope around every send when no send timeout is
-    set (it cost about a sixth of the event loop's time per event under load), with the body's
+    set (a measurable share of the event loop's time per event under load), with the body's
     events sent straight to the front door's `send` (front_door.BODY_SEND) where there is one; and a
     WriteThroughStream body is given its connection.
 

@@ -1,36 +1,22 @@
 """The host heap kept off the step's path: glibc's malloc keeps freed memory, and Python's cyclic
-collector leaves what start-up built alone.
+collector leaves what start-up built alone. Figures: docs/performance.md ("Host memory").
 
-glibc serves an allocation above its mmap threshold (32 MiB at most) with a fresh
-mmap and unmaps it on free, so every step's vocabulary-sized tensors (logits at 256
-rows: 50 MB) page-fault their way in again. Measured here on an engine-like thread,
-an `exp` over 256 x 49,152 floats took 50 ms that way and 12.5 ms with mmap off and
-a high trim threshold, which keep freed blocks in the heap for the next step.
-PyTorch's CPU tuning guide preloads jemalloc or tcmalloc for the same reason; this
-needs no extra library. The price: the process keeps its peak heap.
-
-Every thread also allocates from the main heap. A thread's own glibc arena grows in heaps
-of at most 64 MiB, so with mmap off a larger tensor (the logits of 512 rows: 100 MB) cannot
-be kept there and each step's went the slow way: the raw forward of the tiny benchmark model
-at 512 rows ran at 3,600-3,800 tok/s with per-thread arenas and 6,000-7,900 with one (four
-runs each, `MALLOC_ARENA_MAX`). The arena limit binds only threads that have not allocated
-yet, so this runs before the engine thread starts.
-
-Python's cyclic collector, once enough objects have outlived two younger collections, walks
-every tracked object in the process: about 420,000 once the model, tokenizer, transformers and
-the app are loaded. Each such pass took 0.23 to 0.49 s on this machine, holding the GIL, so the
-engine thread and every stream stopped for that long a few times a minute under load. Start-up's
-objects live as long as the process, so they are taken out of the collector's sight once built
-(`gc.freeze`, as vLLM does once its model is loaded and warmed up); refcounting still frees them,
-and the collector still finds cycles among everything made later.
-
-Under load the rest is still many: each streamed response holds about 200 tracked objects
-(coroutines, closures, anyio events), 100,000 at 512 streams, and with Python's default thresholds
-(a young collection every 700 allocations) a 512-stream server ran 1,790 young, 165 middle and 15
-full collections in 45 s of streaming, 2.4 s with the GIL held, the full ones about 0.1 s each.
-With a young collection every 20,000 allocations, 20 of them per middle one and 50 middle per
-full one, the same load ran 17 collections in all (0.09 s). Cycles are still found, in larger
-batches; the price is that much more young garbage kept between passes.
+- Freed memory stays in the heap. glibc serves an allocation above its mmap threshold (32 MiB at most)
+  with a fresh mmap and unmaps it on free, so every step's vocabulary-sized tensors (the logits) would
+  page-fault their way in again. With mmap off and a high trim threshold they reuse the last step's
+  blocks (PyTorch's CPU tuning guide preloads jemalloc or tcmalloc for the same reason; this needs no
+  extra library). The price: the process keeps its peak heap.
+- One arena. A thread's own glibc arena grows in heaps of at most 64 MiB, so with mmap off a larger
+  tensor could not be kept there; every thread allocates from the main heap instead. The limit binds
+  only threads that have not allocated yet, so this must run before the engine thread starts.
+- Start-up's objects out of the collector's sight. A full pass of Python's cyclic collector walks
+  every tracked object, hundreds of thousands once the model, tokenizer and app are loaded, holding
+  the GIL (the engine thread and every stream stop meanwhile). Start-up's objects live as long as the
+  process, so they are frozen once built (`gc.freeze`, as vLLM does once its model is loaded);
+  refcounting still frees them, and the collector still finds cycles among everything made later.
+- Passes spaced out. Each streamed response holds about 200 tracked objects; with Python's default
+  thresholds a loaded server runs young collections constantly. Larger thresholds find cycles in
+  larger batches, at the price of that much more young garbage kept between passes.
 """
 
 from __future__ import annotations
