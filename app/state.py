@@ -24,7 +24,7 @@ from engine.engine import Engine, EngineConfig, SpeculativeConfig
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError, GrammarSpec
-from engine.sizing import num_kv_blocks, plan
+from engine.sizing import choose_sizes, num_kv_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class ServerState:
         num_choices: int,
         prompt: Callable[[], object],
     ) -> Callable[[str], Accounting]:
-        """What Generation.start calls with the completion id to account for this request; `prompt`
+        """What CompletionRenderer.start calls with the completion id to account for this request; `prompt`
         renders the prompt for the audit log, called only when it records content."""
         client = request.client
         context = RequestContext(
@@ -158,7 +158,7 @@ def build_state(settings: Settings) -> ServerState:
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)
     speculative = _speculative_config(settings)
-    sizing = plan(
+    sizing = choose_sizes(
         loaded.model,
         settings.max_num_seqs,
         settings.max_num_batched_tokens,

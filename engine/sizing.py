@@ -86,7 +86,7 @@ def gpu_kv_cache_bytes(total: int, free: int, utilization: float, activations: i
     return budget, explanation
 
 
-def plan(
+def choose_sizes(
     model: PagedCausalLM,
     max_num_seqs: int | None,
     max_num_batched_tokens: int | None,

@@ -1,6 +1,6 @@
 """Per-request accounting on the event loop: metrics as chunks arrive, one audit line at the end.
 
-A Generation hands every chunk it reads to its Accounting and closes it on every
+A CompletionRenderer hands every chunk it reads to its Accounting and closes it on every
 exit path, so finished, failed, cancelled and abandoned requests are all counted.
 """
 

@@ -9,7 +9,7 @@ from app.operations.admission import admit, require_api_key
 from app.serving.prompting import chat_prompt_ids
 from app.serving.protocol import ChatCompletion, ChatCompletionRequest
 from app.serving.sse import event_stream
-from app.serving.streaming import Generation
+from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -32,7 +32,7 @@ async def create_chat_completion(
         params.n,
         lambda: [m.model_dump(exclude_none=True) for m in body.messages],
     )
-    generation = Generation.start(
+    renderer = CompletionRenderer.start(
         state.engine,
         "chat",
         state.model_name,
@@ -43,6 +43,6 @@ async def create_chat_completion(
         parses_tools=tool_use is not None,
     )
     if not body.stream:
-        return await generation.fold()
-    events = state.streams.serve(generation, body.resumable)
+        return await renderer.fold()
+    events = state.streams.serve(renderer, body.resumable)
     return event_stream(events, state.settings.keepalive_seconds)

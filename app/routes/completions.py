@@ -9,7 +9,7 @@ from app.operations.admission import admit, require_api_key
 from app.serving.prompting import text_prompt_ids
 from app.serving.protocol import Completion, CompletionRequest
 from app.serving.sse import event_stream
-from app.serving.streaming import Generation
+from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -27,10 +27,10 @@ async def create_completion(
     accounting = state.accounting_for(
         request, "/v1/completions", body.stream, len(prompt_ids), params.n, lambda: prompt
     )
-    generation = Generation.start(
+    renderer = CompletionRenderer.start(
         state.engine, "text", state.model_name, prompt_ids, params, body.include_usage, accounting
     )
     if not body.stream:
-        return await generation.fold()
-    events = state.streams.serve(generation, body.resumable)
+        return await renderer.fold()
+    events = state.streams.serve(renderer, body.resumable)
     return event_stream(events, state.settings.keepalive_seconds)

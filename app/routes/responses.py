@@ -14,7 +14,7 @@ from app.serving.prompting import chat_prompt_ids, continuation_ids
 from app.serving.responses import Conversation, ResponseRun, new_response_id
 from app.serving.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
 from app.serving.sse import event_stream
-from app.serving.streaming import Generation
+from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -49,7 +49,7 @@ async def create_response(
         1,
         lambda: [m.model_dump(exclude_none=True) for m in conversation.messages],
     )
-    generation = Generation.start(
+    renderer = CompletionRenderer.start(
         state.engine,
         "chat",
         state.model_name,
@@ -79,7 +79,7 @@ async def create_response(
         or "auto",
         parallel_tool_calls=body.parallel_tool_calls,
     )
-    run = ResponseRun(response, generation.channel, generation.accounting, conversation, tool_use is not None)
+    run = ResponseRun(response, renderer.channel, renderer.accounting, conversation, tool_use is not None)
     state.responses.start(run)
     if not body.stream:
         return await run.wait()

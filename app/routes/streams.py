@@ -37,8 +37,8 @@ async def resume_stream(
             f"Last-Event-ID must be an event id between 0 and {stream.num_events}, got {last_event_id!r}",
             param="Last-Event-ID",
         )
-    if stream.generation.accounting is not None:
-        stream.generation.accounting.resumed()
+    if stream.renderer.accounting is not None:
+        stream.renderer.accounting.resumed()
     return event_stream(stream.subscribe(after), state.settings.keepalive_seconds)
 
 

@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator
 from app.operations.sends import SendBatch
 from app.serving.event_log import EventLog
 from app.serving.sse import PlainStream, sse_event
-from app.serving.streaming import Generation
+from app.serving.streaming import CompletionRenderer
 
 
 class ResumableStream:
-    """One resumable generation's numbered events (event i has id i + 1) and its subscribers."""
+    """One resumable stream's numbered events (event i has id i + 1) and its subscribers."""
 
-    def __init__(self, generation: Generation, registry: StreamRegistry) -> None:
-        self.generation = generation
+    def __init__(self, renderer: CompletionRenderer, registry: StreamRegistry) -> None:
+        self.renderer = renderer
         self._registry = registry
         self._log: EventLog[str] = EventLog()
         self._subscribers = 0
@@ -46,7 +46,7 @@ class ResumableStream:
     async def run(self) -> None:
         """Read the whole generation into the log, whoever is listening."""
         try:
-            async for data in self.generation.events():
+            async for data in self.renderer.events():
                 self._log.append(data)
         finally:
             self._log.close()
@@ -61,7 +61,7 @@ class ResumableStream:
             self._detach()
 
     def cancel(self) -> None:
-        self.generation.channel.cancel()
+        self.renderer.channel.cancel()
 
     def _attach(self) -> None:
         self._subscribers += 1
@@ -88,16 +88,16 @@ class StreamRegistry:
     def __init__(self, window_seconds: float, sends: SendBatch | None = None) -> None:
         self.window_seconds = window_seconds
         self._sends = sends
-        self._live: dict[str, Generation] = {}
+        self._live: dict[str, CompletionRenderer] = {}
         self._resumable: dict[str, ResumableStream] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    def serve(self, generation: Generation, resumable: bool) -> AsyncIterator[bytes]:
+    def serve(self, renderer: CompletionRenderer, resumable: bool) -> AsyncIterator[bytes]:
         """The numbered SSE events of a new stream."""
         if not resumable:
-            return PlainStream(generation, self._live, self._sends)
-        stream = ResumableStream(generation, self)
-        self._resumable[generation.completion_id] = stream
+            return PlainStream(renderer, self._live, self._sends)
+        stream = ResumableStream(renderer, self)
+        self._resumable[renderer.completion_id] = stream
         task = asyncio.get_running_loop().create_task(stream.run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -115,8 +115,8 @@ class StreamRegistry:
             else:
                 stream.cancel()
             return True
-        if generation := self._live.get(completion_id):
-            generation.channel.cancel()
+        if renderer := self._live.get(completion_id):
+            renderer.channel.cancel()
             return True
         return False
 
@@ -127,8 +127,8 @@ class StreamRegistry:
             self.forget(stream)
 
     def holds(self, stream: ResumableStream) -> bool:
-        return self._resumable.get(stream.generation.completion_id) is stream
+        return self._resumable.get(stream.renderer.completion_id) is stream
 
     def forget(self, stream: ResumableStream) -> None:
         if self.holds(stream):
-            del self._resumable[stream.generation.completion_id]
+            del self._resumable[stream.renderer.completion_id]

@@ -24,7 +24,7 @@ from starlette.types import Message, Receive, Scope, Send
 from app.operations.front_door import BODY_SEND
 from app.operations.sends import SendBatch
 from app.operations.transport import BodyWriter
-from app.serving.streaming import Generation
+from app.serving.streaming import CompletionRenderer
 from engine.channel import Chunk
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class WriteThroughStream(abc.ABC):
     Fast path: given the connection (`write_through`), the stream sets the channel's callback
     (StreamChannel.write_through) and writes events from it. What must hold:
     1. Same bytes: an event written through is byte for byte the event the slow path would have
-       sent for that chunk (its payload is `Generation.content_delta`, which `events` yields for the
+       sent for that chunk (its payload is `CompletionRenderer.content_delta`, which `events` yields for the
        chunk and nothing else), with an id from the count both paths share.
     2. Same order: the channel offers a chunk only while the slow path waits with nothing pending,
        so nothing written through overtakes an event handed to the slow path before it.
@@ -74,8 +74,10 @@ class PlainStream(WriteThroughStream):
     last, logprobs, tool calls, usage, [DONE]), and any chunk the connection would have to wait for,
     goes the slow way."""
 
-    def __init__(self, generation: Generation, live: dict[str, Generation], sends: SendBatch | None = None) -> None:
-        self.generation = generation
+    def __init__(
+        self, renderer: CompletionRenderer, live: dict[str, CompletionRenderer], sends: SendBatch | None = None
+    ) -> None:
+        self.renderer = renderer
         self.sends = sends
         self._live = live
         self._num_events = 0
@@ -84,24 +86,24 @@ class PlainStream(WriteThroughStream):
 
     def write_through(self, connection: BodyWriter) -> None:
         self._connection = connection
-        self.generation.channel.write_through = self._write
+        self.renderer.channel.write_through = self._write
 
     def _write(self, chunk: Chunk) -> bool:
         written = False
         try:
-            payload = self.generation.content_delta(chunk)
+            payload = self.renderer.content_delta(chunk)
             if payload is not None:
                 written = self._connection.write(sse_event(self._num_events + 1, payload))
             if written:
                 self._num_events += 1
-                if self.generation.accounting is not None:
-                    self.generation.accounting.on_chunk(chunk)
+                if self.renderer.accounting is not None:
+                    self.renderer.accounting.on_chunk(chunk)
         except Exception:
             # This runs in the callback that delivers every stream's chunks of a step: a fault here
             # must not cost the others theirs. This stream goes the slow way from now on (a chunk
             # already written is not handed on again).
             logger.exception("writing a stream's event through failed; it goes through `send` from now on")
-            self.generation.channel.write_through = None
+            self.renderer.channel.write_through = None
         return written
 
     def __aiter__(self) -> PlainStream:
@@ -114,9 +116,9 @@ class PlainStream(WriteThroughStream):
         return self._events.aclose()
 
     async def _numbered(self) -> AsyncGenerator[bytes]:
-        generation = self.generation
-        self._live[generation.completion_id] = generation
-        payloads = generation.events()
+        renderer = self.renderer
+        self._live[renderer.completion_id] = renderer
+        payloads = renderer.events()
         try:
             async for data in payloads:
                 self._num_events += 1
@@ -124,9 +126,9 @@ class PlainStream(WriteThroughStream):
         finally:
             # Close the inner generator now, not whenever it is collected: that cancels the request.
             await payloads.aclose()
-            self._live.pop(generation.completion_id, None)
+            self._live.pop(renderer.completion_id, None)
             # The channel and this stream refer to each other through it: freed at once, not by the collector.
-            generation.channel.write_through = None
+            renderer.channel.write_through = None
 
 
 class _SseResponse(EventSourceResponse):

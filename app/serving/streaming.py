@@ -95,8 +95,9 @@ class _Choice:
 
 
 @dataclass
-class Generation:
-    """One submitted request as the HTTP layer sees it."""
+class CompletionRenderer:
+    """One submitted chat or text completion, its chunks rendered as OpenAI's payloads: streamed
+    (`events`) or folded into one response (`fold`)."""
 
     kind: Kind
     model: str
@@ -127,10 +128,10 @@ class Generation:
         accounting: Callable[[str], Accounting] | None = None,
         parses_tools: bool = False,
         completion_id: str | None = None,
-    ) -> Generation:
+    ) -> CompletionRenderer:
         """Submit the request; `accounting`, given the completion id, makes its accounting."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        generation = cls(
+        renderer = cls(
             kind=kind,
             model=model,
             num_prompt_tokens=len(prompt_token_ids),
@@ -143,9 +144,9 @@ class Generation:
             parses_tools=parses_tools,
         )
         if accounting is not None:
-            generation.accounting = accounting(generation.completion_id)
-        engine.submit(generation.completion_id, prompt_token_ids, params, generation.channel)
-        return generation
+            renderer.accounting = accounting(renderer.completion_id)
+        engine.submit(renderer.completion_id, prompt_token_ids, params, renderer.channel)
+        return renderer
 
     async def events(self) -> AsyncIterator[str]:
         """Every SSE data payload of the stream, ending in [DONE] on every path; leaving early

@@ -98,20 +98,20 @@ class ModelRunner:
         replaces on the device the placeholders of tokens an earlier step has not handed back yet
         (engine/future_tokens.py)."""
         segments: list[Segment] = []
-        samplers: list[Request] = []
+        sampling_requests: list[Request] = []
         for request, num_new in sorted(plan.scheduled, key=lambda entry: entry[1] > 1):
             start = request.num_computed_tokens
             proposed = plan.proposals.get(id(request))
             if proposed:
                 # Verification: the target's scores after the last token and after each proposal.
                 segments.append(Segment(request, start, request.token_ids[start:] + proposed, Logits.ALL))
-                samplers.append(request)
+                sampling_requests.append(request)
             elif start + num_new == request.num_tokens:
                 segments.append(Segment(request, start, request.token_ids[start : start + num_new], Logits.LAST))
-                samplers.append(request)
+                sampling_requests.append(request)
             else:
                 segments.append(Segment(request, start, request.token_ids[start : start + num_new], Logits.NONE))
-        return samplers, self.run(segments, resolve)
+        return sampling_requests, self.run(segments, resolve)
 
     def run(self, segments: list[Segment], resolve: Callable[[torch.Tensor], None] | None = None) -> HeadOutput:
         """One forward over `segments` (single-token ones first); logits rows in segment order.

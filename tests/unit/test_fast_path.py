@@ -13,7 +13,7 @@ from app.operations.front_door import FrontDoor
 from app.operations.transport import BodyWriter, bounded_http_protocol
 from app.serving import tools
 from app.serving.sse import PlainStream, event_stream
-from app.serving.streaming import Generation, Kind
+from app.serving.streaming import CompletionRenderer, Kind
 from engine.channel import Chunk, StreamChannel, Timings
 from engine.detokenizer import TokenBytes
 from engine.request import FinishReason
@@ -32,8 +32,8 @@ class Case:
     parses_tools: bool = False
     error: bool = False
 
-    def generation(self) -> Generation:
-        return Generation(
+    def renderer(self) -> CompletionRenderer:
+        return CompletionRenderer(
             kind=self.kind,
             model="m",
             num_prompt_tokens=3,
@@ -87,12 +87,12 @@ class Server:
     plain generator, so the response cannot give it its connection."""
 
     def __init__(self) -> None:
-        self.generation: Generation | None = None
+        self.renderer: CompletionRenderer | None = None
         self.make: Case | None = None
 
     async def app(self, scope, receive, send) -> None:
-        self.generation = self.make.generation()
-        stream = PlainStream(self.generation, live={})
+        self.renderer = self.make.renderer()
+        stream = PlainStream(self.renderer, live={})
         if scope["path"] == "/slow":
             stream = (event async for event in stream)
         await event_stream(stream, keepalive_seconds=3600)(scope, receive, send)
@@ -144,8 +144,8 @@ async def exchange(server: Server, path: str, case: Case) -> bytes:
 
     await grown()
     for chunk in case.chunks():
-        server.generation.channel.accept(chunk)
-        server.generation.channel.deliver(chunk)
+        server.renderer.channel.accept(chunk)
+        server.renderer.channel.deliver(chunk)
         await next_events()
     while data := await reader.read(65536):
         received.extend(data)

@@ -4,7 +4,7 @@ counts every token, and a fault while writing through costs no event."""
 import asyncio
 
 from app.serving.sse import PlainStream
-from app.serving.streaming import Generation
+from app.serving.streaming import CompletionRenderer
 from engine.channel import Chunk, StreamChannel
 from engine.detokenizer import TokenBytes
 from engine.request import FinishReason
@@ -31,8 +31,8 @@ class Connection:
         return True
 
 
-def generation(loop: asyncio.AbstractEventLoop) -> Generation:
-    return Generation(
+def renderer(loop: asyncio.AbstractEventLoop) -> CompletionRenderer:
+    return CompletionRenderer(
         kind="chat",
         model="m",
         num_prompt_tokens=3,
@@ -56,7 +56,7 @@ async def serve(stream: PlainStream, connection: Connection, chunks: list[Chunk]
         async for event in stream:
             connection.wire.append(event)
 
-    channel = stream.generation.channel
+    channel = stream.renderer.channel
     response = asyncio.create_task(respond())
     for i, c in enumerate(chunks):
         await asyncio.sleep(0)
@@ -75,7 +75,7 @@ def text_chunks(count: int) -> list[Chunk]:
 
 async def test_written_through_and_sent_events_share_one_numbering_and_the_usage_counts_all():
     loop = asyncio.get_running_loop()
-    connection, gen = Connection(), generation(loop)
+    connection, gen = Connection(), renderer(loop)
     stream = PlainStream(gen, live={})
     stream.write_through(connection)
     # The connection refuses chunks 3 and 4 (as when the client lags): they take the general way.
@@ -92,7 +92,7 @@ async def test_written_through_and_sent_events_share_one_numbering_and_the_usage
 
 async def test_a_fault_while_writing_through_costs_no_event():
     loop = asyncio.get_running_loop()
-    connection, gen = Connection(), generation(loop)
+    connection, gen = Connection(), renderer(loop)
     stream = PlainStream(gen, live={})
     stream.write_through(connection)
     wire = await serve(stream, connection, text_chunks(6), lambda i: setattr(connection, "broken", i == 2))

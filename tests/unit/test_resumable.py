@@ -4,12 +4,12 @@ and a finished stream stays for a window after its last reader leaves."""
 import asyncio
 
 from app.serving.resumable import StreamRegistry
-from tests.unit.test_plain_stream import events, generation, text_chunks
+from tests.unit.test_plain_stream import events, renderer, text_chunks
 
 
 async def test_a_stream_whose_response_never_read_it_expires_and_is_cancelled():
     registry = StreamRegistry(window_seconds=0.05)
-    made = generation(asyncio.get_running_loop())
+    made = renderer(asyncio.get_running_loop())
     unread = registry.serve(made, resumable=True)
     assert registry.resumable(made.completion_id) is not None
     await asyncio.sleep(0.1)
@@ -20,7 +20,7 @@ async def test_a_stream_whose_response_never_read_it_expires_and_is_cancelled():
 
 async def test_a_finished_stream_stays_for_the_window_after_its_last_reader_leaves():
     registry = StreamRegistry(window_seconds=0.3)
-    made = generation(asyncio.get_running_loop())
+    made = renderer(asyncio.get_running_loop())
     first_read = registry.serve(made, resumable=True)
     for chunk in text_chunks(3):
         made.channel.accept(chunk)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine.model.causal_lm import PagedCausalLM
-from engine.sizing import gpu_kv_cache_bytes, graph_pool_bytes, num_kv_blocks, plan, step_activation_bytes
+from engine.sizing import choose_sizes, gpu_kv_cache_bytes, graph_pool_bytes, num_kv_blocks, step_activation_bytes
 from tests.unit.helpers import tiny_hf_model
 
 GIB = 2**30
@@ -21,32 +21,32 @@ def gpu_model(model) -> PagedCausalLM:
 
 
 def test_a_cpu_keeps_its_fixed_defaults_and_the_flags_win(model):
-    sizing = plan(model, None, None, None, 0.9, 1024)
+    sizing = choose_sizes(model, None, None, None, 0.9, 1024)
     assert (sizing.max_num_seqs, sizing.max_num_batched_tokens, sizing.kv_cache_bytes) == (64, 256, 2 * GIB)
-    sizing = plan(model, 8, 512, 0.5, 0.9, 1024)
+    sizing = choose_sizes(model, 8, 512, 0.5, 0.9, 1024)
     assert (sizing.max_num_seqs, sizing.max_num_batched_tokens, sizing.kv_cache_bytes) == (8, 512, GIB // 2)
 
 
 def test_a_gpu_gets_256_streams_and_the_memory_the_utilization_leaves(gpu_model):
     free, total = 70 * GIB, 80 * GIB
-    sizing = plan(gpu_model, None, None, None, 0.9, 1024, memory_info=lambda: (free, total))
+    sizing = choose_sizes(gpu_model, None, None, None, 0.9, 1024, memory_info=lambda: (free, total))
     assert (sizing.max_num_seqs, sizing.max_num_batched_tokens) == (256, 2048)
     activations = step_activation_bytes(gpu_model, 2048, 256, 1024)
     assert sizing.kv_cache_bytes == int(0.9 * total) - (total - free) - activations
     assert "0.9 x 80.0 GiB - 10.00 GiB in use" in sizing.explanation
     # An explicit size is taken as given, without asking the device.
-    sizing = plan(gpu_model, None, None, 16, 0.9, 1024, memory_info=lambda: pytest.fail("asked the GPU"))
+    sizing = choose_sizes(gpu_model, None, None, 16, 0.9, 1024, memory_info=lambda: pytest.fail("asked the GPU"))
     assert sizing.kv_cache_bytes == 16 * GIB
 
 
 def test_speculation_sets_aside_logits_for_every_proposal(gpu_model):
     memory = lambda: (70 * GIB, 80 * GIB)  # noqa: E731
-    plain = plan(gpu_model, 64, 2048, None, 0.9, 1024, memory_info=memory)
-    speculating = plan(gpu_model, 64, 2048, None, 0.9, 1024, rows_per_seq=7, memory_info=memory)
+    plain = choose_sizes(gpu_model, 64, 2048, None, 0.9, 1024, memory_info=memory)
+    speculating = choose_sizes(gpu_model, 64, 2048, None, 0.9, 1024, rows_per_seq=7, memory_info=memory)
     set_aside = step_activation_bytes(gpu_model, 2048, 64 * 7, 1024) - step_activation_bytes(gpu_model, 2048, 64, 1024)
     assert plain.kv_cache_bytes - speculating.kv_cache_bytes == set_aside > 0
     # Never more logits rows than the step has tokens.
-    capped = plan(gpu_model, 256, 512, None, 0.9, 1024, rows_per_seq=7, memory_info=memory)
+    capped = choose_sizes(gpu_model, 256, 512, None, 0.9, 1024, rows_per_seq=7, memory_info=memory)
     uncapped_rows = step_activation_bytes(gpu_model, 512, 256 * 7, 1024)
     assert int(0.9 * 80 * GIB) - 10 * GIB - capped.kv_cache_bytes == step_activation_bytes(gpu_model, 512, 512, 1024)
     assert step_activation_bytes(gpu_model, 512, 512, 1024) < uncapped_rows
@@ -54,8 +54,8 @@ def test_speculation_sets_aside_logits_for_every_proposal(gpu_model):
 
 def test_cuda_graphs_set_aside_their_pool(gpu_model):
     memory = lambda: (70 * GIB, 80 * GIB)  # noqa: E731
-    eager = plan(gpu_model, None, None, None, 0.9, 1024, memory_info=memory)
-    graphs = plan(gpu_model, None, None, None, 0.9, 1024, memory_info=memory, cuda_graphs=True)
+    eager = choose_sizes(gpu_model, None, None, None, 0.9, 1024, memory_info=memory)
+    graphs = choose_sizes(gpu_model, None, None, None, 0.9, 1024, memory_info=memory, cuda_graphs=True)
     assert eager.kv_cache_bytes - graphs.kv_cache_bytes == graph_pool_bytes(gpu_model, 256) > 0
     assert "GiB for CUDA graphs" in graphs.explanation and "CUDA graphs" not in eager.explanation
     # The pool is the largest bucket's: it grows with --max-num-seqs, and holds each row's logits twice.
