@@ -140,9 +140,10 @@ class _SseResponse(EventSourceResponse):
     Its parts run as sse-starlette runs them (the stream, the client's disconnect, the server's
     exit signal and the pings; the first to end ends the others), but as plain asyncio tasks
     rather than in an anyio task group, whose scopes and checks were most of what the response cost
-    the event loop on a short request (docs/design/host-path.md, "Cheap events"). NOTE: this calls sse-starlette's private members
-    (`_stream_response`, `_listen_for_disconnect`, `_listen_for_exit_signal_with_grace`, `_ping`,
-    `_ping_interval`, `_send_with_timeout`), hence its upper bound in pyproject.toml."""
+    the event loop on a short request (docs/design/host-path.md, "Cheap events"). NOTE: this calls
+    sse-starlette's private members (`_stream_response`, `_listen_for_disconnect`,
+    `_listen_for_exit_signal_with_grace`, `_ping`, `_ping_interval`, `_send_with_timeout`), hence its
+    upper bound in pyproject.toml."""
 
     _body_send: Send | None = None
 

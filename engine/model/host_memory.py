@@ -1,5 +1,6 @@
 """The host heap kept off the step's path: glibc's malloc keeps freed memory, and Python's cyclic
-collector leaves what start-up built alone. Figures: docs/performance.md ("Host memory").
+collector leaves what start-up built alone. Figures: docs/performance.md ("Figures behind the
+code's choices") and docs/design/host-path.md ("The host's memory").
 
 - Freed memory stays in the heap. glibc serves an allocation above its mmap threshold (32 MiB at most)
   with a fresh mmap and unmaps it on free, so every step's vocabulary-sized tensors (the logits) would
