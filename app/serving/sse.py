@@ -5,8 +5,8 @@ Every event goes out by the slow path: the response iterates its body and sends 
 ASGI `send`. A plain stream's events that carry only text may also take the fast path: written to the
 connection from the engine's callback on the loop, while the stream's reader waits, so that no task is
 woken and no generator or `send` layer crossed for them (at hundreds of streams those were much of
-the event loop's time per token). `WriteThroughStream` states what both paths must
-keep; `PlainStream` is its one implementation. The fast path rests on private parts of two packages
+the event loop's time per token). `WriteThroughStream` states what both paths must keep;
+`PlainStream` is its one implementation. The fast path rests on private parts of two packages
 (pinned in pyproject.toml): uvicorn's httptools request cycle (transport.BodyWriter) and
 sse-starlette's EventSourceResponse internals (`_SseResponse` below).
 """
@@ -53,7 +53,8 @@ class WriteThroughStream(abc.ABC):
     3. Same back-pressure: writing through never waits; where `send` would wait, the connection
        refuses and the chunk takes the slow path, whose `send` waits for the client.
     4. Never silent: the fast path is taken wherever the server is uvicorn with httptools and no send
-       timeout. tests/unit/test_fast_path.py checks 1 and 4 against a real uvicorn.
+       timeout. tests/unit/test_fast_path.py checks 1 and 4 against a real uvicorn, test_channel.py 2,
+       and tests/e2e/test_flow_control.py 3.
     """
 
     # Where the connection stages what it writes through (see app/operations/sends.py).
