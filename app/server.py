@@ -56,6 +56,7 @@ class _SluiceApp(FastAPI):
             super().build_middleware_stack(),
             max_request_bytes=self.max_request_bytes,
             metrics=lambda: self.state.sluice.metrics if hasattr(self.state, "sluice") else None,
+            audit=lambda: self.state.sluice.audit if hasattr(self.state, "sluice") else None,
         )
 
 

@@ -8,6 +8,8 @@
   Content-Length before anything is read; a chunked body is read here first, and refused as
   soon as it passes the limit.
 - **Metrics.** Every response's status, by method and route, in `sluice:http_requests_total`.
+- **Audit.** A request to /v1 that started no generation (refused, or answered without one) gets
+  its audit line here, with its status and a refusal's reason; a generation's accounting writes its own.
 
 One pure ASGI layer rather than three, outermost (app/server.py puts it outside Starlette's own
 error layer, so the 500 of an unexpected error carries the id too). A streamed response's
@@ -17,6 +19,7 @@ body messages skip it and every layer below it (`BODY_SEND`): they act only on t
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import uuid
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError, error_response
+from app.operations.audit import AnswerRecord, AuditLog
 from app.operations.metrics import Metrics
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -45,11 +49,18 @@ class RequestIdLogFilter(logging.Filter):
 
 
 class FrontDoor:
-    def __init__(self, app: ASGIApp, max_request_bytes: int, metrics: Callable[[], Metrics | None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_request_bytes: int,
+        metrics: Callable[[], Metrics | None],
+        audit: Callable[[], AuditLog | None],
+    ) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
-        # The server's metrics once it has started (None before).
+        # The server's metrics and audit log once it has started (None before, or without --audit-log).
         self.metrics = metrics
+        self.audit = audit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -62,12 +73,16 @@ class FrontDoor:
         scope.setdefault("state", {})["request_id"] = request_id
         scope[BODY_SEND] = send
         status = 500
+        # An error's body (a small JSON object), for the audit line's reason.
+        error_body: list[bytes] = []
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+            elif status >= 400:
+                error_body.append(message.get("body", b""))
             await send(message)
 
         try:
@@ -89,6 +104,9 @@ class FrontDoor:
             if metrics is not None:
                 route = scope.get("route")
                 metrics.http_response(scope["method"], getattr(route, "path", None) or "unmatched", status)
+            audit = self.audit()
+            if audit is not None and scope["path"].startswith("/v1/") and not scope["state"].get("generation_started"):
+                audit.write(_answer_record(scope, request_id, status, b"".join(error_body)))
 
     async def _buffered(self, receive: Receive) -> Receive | None:
         """`receive` with the whole body read ahead; None once it passes the limit."""
@@ -110,6 +128,24 @@ class FrontDoor:
             return replay.pop() if replay else await receive()
 
         return replaying
+
+
+def _answer_record(scope: Scope, request_id: str, status: int, error_body: bytes) -> AnswerRecord:
+    client = scope.get("client")
+    try:
+        error = json.loads(error_body)["error"] if error_body else {}
+    except (ValueError, KeyError, TypeError):
+        error = {}
+    return AnswerRecord(
+        request_id=request_id,
+        client=f"{client[0]}:{client[1]}" if client else None,
+        api_key_id=scope["state"].get("api_key_id"),
+        method=scope["method"],
+        endpoint=scope["path"],
+        status=status,
+        code=error.get("code") if isinstance(error, dict) else None,
+        reason=error.get("message") if isinstance(error, dict) else None,
+    )
 
 
 def _too_large(limit: int) -> OpenAIError:

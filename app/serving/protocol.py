@@ -306,6 +306,13 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _tool_results_answer_a_call(self) -> ChatMessage:
+        # As OpenAI: a tool message without the call it answers, or without content, is refused.
+        if self.role == "tool" and (self.tool_call_id is None or self.content is None):
+            raise ValueError("a message with role 'tool' needs tool_call_id and content")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""

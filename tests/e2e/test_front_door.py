@@ -99,6 +99,48 @@ def test_request_ids_are_echoed_or_made_and_audited_without_content(door):
     assert record["client"].startswith("127.0.0.1:") and record["ttft_ms"] > 0 and not record["cancelled"]
 
 
+def audit_lines(audit) -> list[dict]:
+    return [json.loads(line) for line in audit.read_text().splitlines()]
+
+
+def test_every_api_request_gets_one_audit_line_refused_ones_with_status_and_reason(door):
+    base, _, audit = door
+    wrong = "sk-wrong-key-that-must-not-be-logged"
+    sent = {
+        "no-key": ("POST", "/v1/chat/completions", {}, chat()),
+        "wrong-key": ("POST", "/v1/chat/completions", {"Authorization": f"Bearer {wrong}"}, chat()),
+        "too-large": ("POST", "/v1/chat/completions", AUTH, chat(content="x" * 5000)),
+        "invalid": ("POST", "/v1/chat/completions", AUTH, {"messages": []}),
+        "models": ("GET", "/v1/models", AUTH, None),
+        "no-route": ("GET", "/v1/nothing-here", AUTH, None),
+    }
+    statuses = {}
+    for name, (method, path, headers, body) in sent.items():
+        response = httpx.request(method, f"{base}{path}", json=body, headers={**headers, "X-Request-Id": f"a-{name}"})
+        statuses[name] = response.status_code
+    assert statuses == {
+        "no-key": 401,
+        "wrong-key": 401,
+        "too-large": 413,
+        "invalid": 400,
+        "models": 200,
+        "no-route": 404,
+    }
+    text = audit.read_text()
+    assert wrong not in text and KEY not in text
+    lines = {name: [line for line in audit_lines(audit) if line["request_id"] == f"a-{name}"] for name in sent}
+    assert all(len(found) == 1 for found in lines.values()), lines
+    line = {name: found[0] for name, found in lines.items()}
+    for name, (method, path, _, _) in sent.items():
+        assert line[name]["status"] == statuses[name] and line[name]["method"] == method
+        assert line[name]["endpoint"] == path and line[name]["client"].startswith("127.0.0.1:")
+    assert line["no-key"]["code"] == line["wrong-key"]["code"] == "invalid_api_key"
+    assert line["no-key"]["api_key_id"] is None and line["wrong-key"]["api_key_id"] is None
+    assert "--max-request-bytes" in line["too-large"]["reason"]
+    assert line["invalid"]["reason"].startswith("messages") and line["invalid"]["api_key_id"]
+    assert line["models"]["reason"] is None and line["models"]["api_key_id"] == line["invalid"]["api_key_id"]
+
+
 def test_oversized_bodies_get_413_and_the_server_stays_healthy(door):
     base, _, _ = door
     big = chat(content="x" * 5000)
@@ -157,7 +199,7 @@ def test_max_tokens_is_capped_by_the_operator(door):
 
 
 def test_a_burst_past_the_queue_bound_gets_429_and_the_rest_completes(door):
-    base, proc, _ = door
+    base, proc, audit = door
     httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=8), headers=AUTH)
     idle = rss_kib(proc.pid)
     results: list[httpx.Response] = []
@@ -178,6 +220,10 @@ def test_a_burst_past_the_queue_bound_gets_429_and_the_rest_completes(door):
         assert int(response.headers["retry-after"]) >= 1
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in served)
     assert rss_kib(proc.pid) <= 1.2 * idle
+    lines = audit_lines(audit)
+    for response in refused:
+        (line,) = [line for line in lines if line["request_id"] == response.headers["x-request-id"]]
+        assert line["status"] == 429 and line["code"] == "queue_full" and "--max-queue" in line["reason"]
 
 
 def test_metrics_count_a_known_workload(door):

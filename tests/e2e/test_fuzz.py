@@ -6,6 +6,7 @@ and invalid data. (Hypothesis drives each operation directly: schemathesis's pyt
 not load under pytest 9.)
 """
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -55,3 +56,13 @@ def test_no_server_error_and_no_undocumented_status(api, mode):
             continue
         fuzzed.add(operation.path)
     assert {"/v1/chat/completions", "/v1/completions"} <= fuzzed
+
+
+def test_an_undeclared_method_gets_405_with_allow_and_a_bare_tool_message_400(api):
+    base, _ = api
+    for method, path in (("TRACE", "/health"), ("PUT", "/v1/chat/completions"), ("POST", "/v1/models")):
+        response = httpx.request(method, f"{base}{path}")
+        assert response.status_code == 405 and response.headers["allow"], (method, path)
+    assert httpx.post(f"{base}/v1/chat/completions").headers["content-type"] == "application/json"
+    response = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "tool"}]})
+    assert response.status_code == 400 and "tool_call_id" in response.json()["error"]["message"]

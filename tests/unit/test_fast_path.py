@@ -105,7 +105,7 @@ async def server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = uvicorn.Config(
-        FrontDoor(served.app, max_request_bytes=1 << 20, metrics=lambda: None),
+        FrontDoor(served.app, max_request_bytes=1 << 20, metrics=lambda: None, audit=lambda: None),
         host="127.0.0.1",
         port=port,
         http=bounded_http_protocol(64 * 1024),
