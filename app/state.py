@@ -23,8 +23,9 @@ from app.settings import Settings
 from engine.engine import Engine, EngineConfig, SpeculativeConfig
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
-from engine.sampling.grammar import GrammarError, GrammarSpec
+from engine.sampling.grammar import GrammarError
 from engine.sizing import choose_sizes, num_kv_blocks
+from engine.types import GrammarSpec
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ from engine.channel import StreamChannel  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
 from engine.model.host_memory import keep_freed_memory, tune_collector  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from engine.request import Request  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
 
 T = TypeVar("T")
 

@@ -55,7 +55,7 @@ from app.state import ServerState  # noqa: E402
 from bench import serve, stub_accelerator  # noqa: E402
 from bench.engine import prompt_ids, raw_forward, start_engine_thread  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
 
 DEFAULT_CACHE = Path.home() / ".cache" / "sluice"
 

@@ -25,16 +25,26 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kernels.native import load_library  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
 from engine.sampling.sampler import BLOCK, Sampler, device_kernel  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
+
+
+@dataclass(eq=False)
+class _Row:
+    """The fields of a request the sampler reads (it keys its cache of packed settings by identity)."""
+
+    params: SamplingParams
+    rng_key: int
+    num_tokens: int
+
 
 SETTINGS = [
     dict(temperature=0.0),
@@ -103,14 +113,8 @@ def main() -> None:
     print("| setting | logits scale | torch ms | kernel ms | kernel ms, given block maxima | same tokens |")
     print("|---|---|---|---|---|---|")
     for setting in SETTINGS:
-        # The sampler reads only these fields of a request.
         requests = [
-            SimpleNamespace(
-                params=SamplingParams(max_tokens=1, **setting),
-                rng_key=7919 * i + 1,
-                num_tokens=100 + i,
-                kernel_settings=b"",
-            )
+            _Row(SamplingParams(max_tokens=1, **setting), rng_key=7919 * i + 1, num_tokens=100 + i)
             for i in range(args.rows)
         ]
         for scale in (3.0, 0.1):

@@ -37,7 +37,7 @@ from engine.future_tokens import FutureTokens  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.causal_lm import HeadOutput  # noqa: E402
 from engine.model.graphs import run_eagerly  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import tiny_engine, tiny_loaded  # noqa: E402
 
 

@@ -10,71 +10,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
-from engine.request import FinishReason
-from engine.sampling.sampler import TokenLogprob
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Where one choice's time went (llama.cpp's `timings`, in milliseconds)."""
-
-    queue_ms: float
-    prompt_ms: float
-    ttft_ms: float
-    decode_ms: float
-    prompt_tokens: int
-    completion_tokens: int
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    # Prompt tokens whose K/V came from the prefix cache.
-    cached_tokens: int = 0
-    # Whether the request was ever paused for its reader.
-    paused: bool = False
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # The first token comes out of the prefill; decode speed counts the ones after it.
-        if self.completion_tokens < 2 or self.decode_ms <= 0:
-            return 0.0
-        return (self.completion_tokens - 1) * 1000.0 / self.decode_ms
-
-
-class Chunk(NamedTuple):
-    """Output of one choice since its previous chunk.
-
-    Immutable like the other types that cross the thread boundary, but a NamedTuple rather than a
-    frozen dataclass: the engine makes one per stream per step, and a frozen dataclass's __init__
-    (a setattr per field) cost 2.7 µs a chunk against 0.7 here."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    index: int = 0
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    timings: Timings | None = None
-
-    @property
-    def is_terminal(self) -> bool:
-        return self.finish_reason is not None
-
-    @staticmethod
-    def joined(chunks: list[Chunk]) -> Chunk:
-        """Chunks of one choice, in order, as one (the last one's ending)."""
-        token_ids: list[int] = []
-        texts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        for chunk in chunks:
-            token_ids += chunk.token_ids
-            texts.append(chunk.text)
-            logprobs += chunk.logprobs
-        last = chunks[-1]
-        return Chunk(
-            tuple(token_ids), "".join(texts), last.index, tuple(logprobs), last.finish_reason, last.error, last.timings
-        )
+from engine.types import Chunk
 
 
 class StreamChannel:

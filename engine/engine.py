@@ -20,11 +20,13 @@ from engine.model.graphs import run_eagerly
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
 from engine.output import OutputProcessor
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.sampling.grammar import GrammarCompiler, MaskComputer, StepMasks
-from engine.sampling.sampler import Sampler, TokenLogprob, device_kernel
+from engine.request import Request, RequestStatus
+from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.masks import MaskComputer, StepMasks
+from engine.sampling.sampler import Sampler, device_kernel
 from engine.sampling.speculative import DraftProposer, NgramProposer, Proposal, Proposer, verify
 from engine.scheduler import Scheduler, StepPlan
+from engine.types import SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-from engine.channel import Chunk, Outbox, Timings
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling.sampler import TokenLogprob
+from engine.channel import Outbox
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.types import Chunk, FinishReason, Timings, TokenLogprob
 
 
 class OutputProcessor:

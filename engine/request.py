@@ -1,30 +1,20 @@
-"""Engine-side request state: sampling parameters, status and the latched finish reason."""
+"""Engine-side request state: counters, status and the latched finish reason."""
 
 from __future__ import annotations
 
 import time
 from array import array
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from engine.sampling.draws import request_key
+from engine.types import FinishReason, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from engine.channel import StreamChannel
     from engine.detokenizer import IncrementalDetokenizer, StopMatcher
-    from engine.sampling.grammar import Constraint, GrammarSpec
-    from engine.sampling.sampler import TokenLogprob
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-    ERROR = "error"
-    # The request asked for what this model cannot do (a grammar its tokens cannot follow): the
-    # client's error, where ERROR is the server's.
-    REJECTED = "rejected"
+    from engine.sampling.grammar import Constraint
 
 
 class RequestStatus(IntEnum):
@@ -52,48 +42,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
     RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
 }
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What the client asked for; validated on the wire, immutable inside the engine."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    # None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely.
-    logprobs: int | None = None
-    n: int = 1
-    # Tokens per chunk; a lagging reader gets bigger chunks regardless (see StreamChannel).
-    stream_interval: int = 1
-    # Whether the engine may speculate for this request (when it speculates at all).
-    speculative: bool = True
-    # What the output must match (structured output, tool calls); None: free text.
-    grammar: GrammarSpec | None = None
-    # Stored conversations: keep this request's KV blocks pinned under this key once it finishes
-    # (with stop or length), and the key of the pinned conversation this request continues.
-    keep_kv_as: str | None = None
-    continues: str | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalized(self) -> bool:
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
-        )
 
 
 @dataclass(eq=False)
@@ -144,8 +92,6 @@ class Request:
     was_paused: bool = False
     # Where this choice stands in params.grammar; None for free text.
     constraint: Constraint | None = None
-    # params packed for the CPU sampler kernel (engine/kernels/sampling.py), made at the first sampled step.
-    kernel_settings: bytes = field(init=False, default=b"")
     # Overlapped steps (engine/future_tokens.py): how many of token_ids' last entries are placeholders for
     # tokens still on the device, and whether this request may take part at all: its sampling reads
     # nothing of its output on the host (no grammar, penalties or logprobs) and it forks no choices.

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from app.operations.audit import AuditLog, AuditRecord
 from app.operations.metrics import Metrics
-from engine.channel import Chunk
-from engine.request import FinishReason
+from engine.types import Chunk, FinishReason
 
 
 @dataclass

@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from app.errors import OpenAIError
 from app.serving.json_schema import decoded_schema
 from app.serving.tools import Function, ToolUse, parameters_schema
-from engine.request import SamplingParams
-from engine.sampling.grammar import GrammarSpec
+from engine.types import GrammarSpec, SamplingParams
 
 
 class _Request(BaseModel):

@@ -34,8 +34,8 @@ from app.serving.responses_protocol import (
 from app.serving.sse import sse_event
 from app.serving.streaming import ENDED_IN_ERROR, ChunkReader, timings_payload
 from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser, ToolUse
-from engine.channel import Chunk, StreamChannel
-from engine.request import FinishReason
+from engine.channel import StreamChannel
+from engine.types import Chunk, FinishReason
 
 _FINAL_EVENTS = {
     "completed": "response.completed",

@@ -21,7 +21,7 @@ from app.serving.protocol import (
     resolve_tool_use,
 )
 from app.serving.tools import ToolUse
-from engine.sampling.grammar import GrammarSpec
+from engine.types import GrammarSpec
 
 
 class InputText(_Request):

@@ -25,7 +25,7 @@ from app.operations.front_door import BODY_SEND
 from app.operations.sends import SendBatch
 from app.operations.transport import BodyWriter
 from app.serving.streaming import CompletionRenderer
-from engine.channel import Chunk
+from engine.types import Chunk
 
 logger = logging.getLogger(__name__)
 

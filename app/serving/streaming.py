@@ -39,12 +39,11 @@ from app.serving.protocol import (
     Usage,
 )
 from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser
-from engine import channel as engine_channel
-from engine.channel import Chunk, StreamChannel
+from engine import types as engine_types
+from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
 from engine.engine import Engine
-from engine.request import FinishReason, SamplingParams
-from engine.sampling.sampler import TokenLogprob
+from engine.types import Chunk, FinishReason, SamplingParams, TokenLogprob
 
 Kind = Literal["chat", "text"]
 
@@ -91,7 +90,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    timings: engine_channel.Timings | None = None
+    timings: engine_types.Timings | None = None
 
 
 @dataclass
@@ -375,7 +374,7 @@ class CompletionRenderer:
         return [(*self._token(token_id), logprob) for token_id, logprob in entry.top]
 
 
-def timings_payload(timings: engine_channel.Timings | None) -> Timings | None:
+def timings_payload(timings: engine_types.Timings | None) -> Timings | None:
     if timings is None:
         return None
     return Timings(

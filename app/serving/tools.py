@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from app.serving.json_schema import decoded_schema
-from engine.sampling.grammar import JSON_DEFAULTS, GrammarSpec
+from engine.sampling.grammar import JSON_DEFAULTS
+from engine.types import GrammarSpec
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"

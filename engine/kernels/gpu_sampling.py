@@ -28,10 +28,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.invariant import BLOCK
-from engine.kernels.sampling import row_settings
 from engine.model.uploads import upload
-from engine.request import Request
-from engine.sampling.sampler import MAX_REJECTION_ROUNDS
+from engine.sampling.draws import MAX_REJECTION_ROUNDS
 
 # Cache blocks of the vocabulary one pass loads at a time.
 _TILE_BLOCKS = 8
@@ -40,17 +38,20 @@ _TILE_BLOCKS = 8
 _WORDS = 5
 
 
-def sample_on_device(logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int]) -> torch.Tensor:
-    """One token per row of float32 `logits` [R, V] (on the device), drawn for requests[i] at
-    positions[i]; the tokens stay on the device."""
+def sample_on_device(
+    logits: torch.Tensor, settings: bytes, keys: Sequence[int], positions: Sequence[int], top_k: int
+) -> torch.Tensor:
+    """One token per row of float32 `logits` [R, V] (on the device), row i drawn with the i-th of `settings`
+    (engine/kernels/sampling.py's row_settings, joined), its draw key keys[i] at positions[i]; `top_k` is
+    the largest top_k of any row (0: none asks for it). The tokens stay on the device."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
-    settings = torch.frombuffer(bytearray(b"".join([row_settings(r) for r in requests])), dtype=torch.int64)
-    keys = torch.frombuffer(array("Q", [r.rng_key for r in requests]), dtype=torch.int64)
-    host = torch.cat([settings.view(rows, 3), keys.view(rows, 1), torch.tensor(positions).view(rows, 1)], dim=1)
+    packed = torch.frombuffer(bytearray(settings), dtype=torch.int64)
+    key_words = torch.frombuffer(array("Q", keys), dtype=torch.int64)
+    host = torch.cat([packed.view(rows, 3), key_words.view(rows, 1), torch.tensor(positions).view(rows, 1)], dim=1)
     words = upload(host, logits.device)
-    top_k = max((min(r.params.top_k, vocab) for r in requests), default=0)
+    top_k = min(top_k, vocab)
     # The k-th largest logit of a top-k row is its value at column k - 1 (the kernel reads it there).
     largest = logits.topk(top_k, dim=-1).values if top_k > 0 else logits
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device)

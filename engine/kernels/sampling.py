@@ -16,31 +16,29 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import Request
+from engine.types import SamplingParams
 
 # One row's settings as sl_sample reads them (struct RowSettings in sampling.cpp): 1 / temperature
 # (0 for greedy), top_p, min_p and top_k.
 _ROW = struct.Struct("=fffxxxxq")
 
 
-def row_settings(request: Request) -> bytes:
-    """The request's sampling parameters packed for the kernel, once per request (they never
-    change): packing them anew for every row of every step cost more than a greedy row's sampling."""
-    if not request.kernel_settings:
-        p = request.params
-        request.kernel_settings = _ROW.pack(0.0 if p.greedy else 1.0 / p.temperature, p.top_p, p.min_p, p.top_k)
-    return request.kernel_settings
+def row_settings(p: SamplingParams) -> bytes:
+    """A row's sampling parameters packed for the kernels (this one's and engine/kernels/gpu_sampling.py's)."""
+    return _ROW.pack(0.0 if p.greedy else 1.0 / p.temperature, p.top_p, p.min_p, p.top_k)
 
 
 def sample_on_cpu(
     library: ctypes.CDLL,
     logits: torch.Tensor,
-    requests: Sequence[Request],
+    settings: bytes,
+    keys: Sequence[int],
     positions: Sequence[int],
     block_max: torch.Tensor | None = None,
     maxima_rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """One token per row of float32 CPU `logits` [R, V], drawn for requests[i] at positions[i].
+    """One token per row of float32 CPU `logits` [R, V], row i drawn with the i-th of `settings` (row_settings,
+    joined), its draw key keys[i] at positions[i].
 
     `block_max`, where given: block maxima from the output head's kernel [rows, ceil(V / 256)], row i
     for row i of `logits` unless `maxima_rows` maps it elsewhere (-1: none applies, logits changed since)."""
@@ -50,8 +48,7 @@ def sample_on_cpu(
     tokens = torch.empty(rows, dtype=torch.long)
     if block_max is not None:
         block_max = block_max.contiguous()
-    settings = b"".join([row_settings(r) for r in requests])
-    keys = array("Q", [r.rng_key for r in requests])
+    keys = array("Q", keys)
     positions = array("q", positions)
     maxima_rows = array("q", maxima_rows) if maxima_rows is not None else None
     library.sl_sample(

@@ -18,6 +18,9 @@ _MASK = (1 << 64) - 1
 
 # Lanes: the sampler's draws at a position use lanes 0, 1, 2, ... (one per round of its
 # top-p rejection loop); speculative decoding keeps clear of them.
+# Rounds of the samplers' top-p rejection loop (lanes 0 to this) before the rows still undecided (rare)
+# are cut another way; sampling.cpp's kMaxRounds is the same.
+MAX_REJECTION_ROUNDS = 16
 LANE_ACCEPT = 1 << 20
 LANE_RESIDUAL = 2 << 20
 LANE_DRAFT = 3 << 20

@@ -24,22 +24,11 @@ import torch
 
 # Tokens per block of the two-level draw: the kernels' block, so the output head's block maxima fit it.
 from engine.kernels.invariant import BLOCK
-from engine.kernels.sampling import sample_on_cpu
+from engine.kernels.sampling import row_settings, sample_on_cpu
 from engine.request import Request
-from engine.sampling.draws import uniforms
-from engine.sampling.grammar import RowMask
-
-# Rounds of the top-p rejection loop before the rows still undecided (rare) are sorted.
-MAX_REJECTION_ROUNDS = 16
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's log-probability under the model, and the most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+from engine.sampling.draws import MAX_REJECTION_ROUNDS, uniforms
+from engine.sampling.masks import RowMask
+from engine.types import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -49,8 +38,9 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
-# A kernel that draws every row of a step at once: (float32 logits [R, V], requests, positions) → tokens [R].
-DeviceKernel = Callable[[torch.Tensor, Sequence[Request], Sequence[int]], torch.Tensor]
+# A kernel that draws every row of a step at once: (float32 logits [R, V], the rows' packed settings, draw
+# keys and positions, the largest top_k) → tokens [R].
+DeviceKernel = Callable[[torch.Tensor, bytes, Sequence[int], Sequence[int], int], torch.Tensor]
 
 
 def device_kernel(device: torch.device) -> DeviceKernel | None:
@@ -78,6 +68,9 @@ class Sampler:
         self.kernels = kernels
         self.device = device
         self._workspace = torch.empty(0)
+        # Each request's parameters packed for the kernels, once (they never change): packing them anew
+        # for every row of every step cost more than a greedy row's sampling.
+        self._settings: dict[Request, bytes] = {}
 
     def sample(
         self,
@@ -113,15 +106,41 @@ class Sampler:
                 changed = {i for i, r in enumerate(requests) if r.params.penalized} | set(mask.rows if mask else ())
                 maxima_rows = [-1 if i in changed else i for i in range(len(requests))]
             token_ids = sample_on_cpu(
-                self.kernels, processed, requests, [r.num_tokens for r in requests], block_max, maxima_rows
+                self.kernels,
+                processed,
+                self._kernel_settings(requests),
+                [r.rng_key for r in requests],
+                [r.num_tokens for r in requests],
+                block_max,
+                maxima_rows,
             )
         elif (
             self.device is not None and processed.dtype == torch.float32 and any(not r.params.greedy for r in requests)
         ):
-            token_ids = self.device(processed, requests, [r.num_tokens for r in requests])
+            token_ids = self.device(
+                processed,
+                self._kernel_settings(requests),
+                [r.rng_key for r in requests],
+                [r.num_tokens for r in requests],
+                max(r.params.top_k for r in requests),
+            )
         else:
             token_ids = self._sample_with_torch(requests, processed)
         return token_ids
+
+    def _kernel_settings(self, requests: Sequence[Request]) -> bytes:
+        """The rows' packed settings, joined. Past twice a step's requests (and 64), the cache keeps only
+        this step's, so it never holds many more than are running."""
+        settings = self._settings
+        if len(settings) > 2 * len(requests) + 64:
+            settings = self._settings = {r: settings[r] for r in requests if r in settings}
+        try:
+            return b"".join([settings[r] for r in requests])
+        except KeyError:
+            for request in requests:
+                if request not in settings:
+                    settings[request] = row_settings(request.params)
+            return b"".join([settings[r] for r in requests])
 
     def _sample_with_torch(self, requests: Sequence[Request], processed: torch.Tensor) -> torch.Tensor:
         """The step's tokens on torch's kernels: an argmax for greedy rows, sample_rows for the rest."""

@@ -23,8 +23,9 @@ from engine.model.causal_lm import PagedCausalLM
 from engine.model.runner import Logits, ModelRunner, Segment
 from engine.request import Request
 from engine.sampling.draws import LANE_ACCEPT, LANE_DRAFT, LANE_RESIDUAL, uniform, uniforms
-from engine.sampling.grammar import RowMask
-from engine.sampling.sampler import TokenLogprob, apply_penalties, draw, probabilities, token_logprobs
+from engine.sampling.masks import RowMask
+from engine.sampling.sampler import apply_penalties, draw, probabilities, token_logprobs
+from engine.types import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.model.loader import LoadedModel, load_model
-from engine.request import SamplingParams
+from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
 from tests.unit.helpers import collect, tiny_engine
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.channel import Chunk, StreamChannel
+from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from engine.engine import Engine, EngineConfig
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, use_invariant_kernels
-from engine.request import Request, SamplingParams
+from engine.request import Request
+from engine.types import Chunk, SamplingParams
 from tests.conftest import CACHE_DIR
 
 TINY_VOCAB = 512

@@ -2,8 +2,8 @@
 
 import asyncio
 
-from engine.channel import Chunk, Outbox, StreamChannel
-from engine.request import FinishReason
+from engine.channel import Outbox, StreamChannel
+from engine.types import Chunk, FinishReason
 
 
 def chunk(token: int, finish: FinishReason | None = None) -> Chunk:

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from engine.channel import StreamChannel
-from engine.request import FinishReason, SamplingParams
+from engine.types import FinishReason, SamplingParams
 from tests.unit.helpers import SAMPLING_KINDS, collect, tiny_engine, tiny_loaded, tokens_of, wait_for
 
 

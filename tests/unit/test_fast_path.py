@@ -14,10 +14,9 @@ from app.operations.transport import BodyWriter, bounded_http_protocol
 from app.serving import tools
 from app.serving.sse import PlainStream, event_stream
 from app.serving.streaming import CompletionRenderer, Kind
-from engine.channel import Chunk, StreamChannel, Timings
+from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
-from engine.request import FinishReason
-from engine.sampling.sampler import TokenLogprob
+from engine.types import Chunk, FinishReason, Timings, TokenLogprob
 
 TOKENS = TokenBytes([f"t{i} ".encode() for i in range(64)] + ["é".encode()])
 TIMINGS = Timings(queue_ms=0.5, prompt_ms=1.25, ttft_ms=2.0, decode_ms=9.5, prompt_tokens=3, completion_tokens=4)

@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="the GPU's attention kernels are written in
 
 from engine.engine import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import collect, tiny_engine, tiny_loaded  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the GPU's batch-invariant kernels are writ
 
 from engine.engine import SpeculativeConfig  # noqa: E402
 from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm, linear_config  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import collect, tiny_engine, tiny_hf_model, tiny_loaded, tokens_of  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

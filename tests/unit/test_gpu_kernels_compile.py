@@ -23,7 +23,8 @@ def compile_every_kernel() -> list[str]:
     from triton.compiler import ASTSource
 
     from engine.kernels import gpu_invariant, gpu_sampling, paged_decode, paged_prefill
-    from engine.request import SamplingParams
+    from engine.kernels.sampling import row_settings
+    from engine.types import SamplingParams
     from tests.unit.helpers import make_request
 
     pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int64: "*i64"}
@@ -64,8 +65,8 @@ def compile_every_kernel() -> list[str]:
     logits = torch.zeros(4, 49152)
     for top_k in (0, 40):
         params = SamplingParams(4, temperature=0.7, top_k=top_k, top_p=0.9)
-        requests = [make_request(1, params=params) for _ in range(4)]
-        record(gpu_sampling, "_sample", lambda: gpu_sampling.sample_on_device(logits, requests, [1] * 4))
+        settings, keys = row_settings(params) * 4, [make_request(1, params=params).rng_key for _ in range(4)]
+        record(gpu_sampling, "_sample", lambda: gpu_sampling.sample_on_device(logits, settings, keys, [1] * 4, top_k))
 
     compiled = []
     for kernel, args, constexprs in launches:

@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="the GPU's sampling kernel is written in Tr
 from bench.sampler import SETTINGS  # noqa: E402
 from engine.kernels import gpu_sampling  # noqa: E402
 from engine.kernels.native import load_library  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
+from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import CACHE_DIR, collect, make_request, tiny_engine, tiny_loaded  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,8 +10,8 @@ import re
 import jsonschema
 import pytest
 
-from engine.request import FinishReason, SamplingParams
-from engine.sampling.grammar import GrammarError, GrammarSpec
+from engine.sampling.grammar import GrammarError
+from engine.types import FinishReason, GrammarSpec, SamplingParams
 from tests.unit.helpers import collect, tiny_engine, tiny_loaded
 
 SCHEMA = {

@@ -21,7 +21,7 @@ from engine.future_tokens import FutureTokens  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.graphs import CudaGraphCapture, batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
-from engine.request import FinishReason, SamplingParams  # noqa: E402
+from engine.types import FinishReason, SamplingParams  # noqa: E402
 from tests.unit.helpers import (  # noqa: E402
     collect,
     make_request,

@@ -4,7 +4,8 @@ import pytest
 
 from app.serving.json_schema import closed, decoded_schema
 from app.serving.tools import Function, ToolUse
-from engine.sampling.grammar import GrammarCompiler, GrammarSpec
+from engine.sampling.grammar import GrammarCompiler
+from engine.types import GrammarSpec
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine.kernels.invariant import KernelAttentionMetadata, PackedLinear, invariant_paged_attention
 from engine.kernels.native import kernels_supported, load_library
-from engine.request import SamplingParams
+from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
 from tests.unit.helpers import collect, tiny_engine, tiny_loaded
 

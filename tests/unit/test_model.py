@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from engine.types import SamplingParams
 from tests.unit.helpers import collect, tiny_engine, tiny_hf_model, tiny_loaded, tokens_of
 
 PROMPTS = [[5, 9, 13], list(range(20, 60)), [7] * 11, list(range(100, 103))]

@@ -9,7 +9,7 @@ import pytest
 
 from engine.channel import StreamChannel
 from engine.future_tokens import FutureTokens
-from engine.request import FinishReason, SamplingParams
+from engine.types import FinishReason, SamplingParams
 from tests.unit.helpers import SAMPLING_KINDS, collect, tiny_engine, tiny_loaded, tokens_of, wait_for
 
 

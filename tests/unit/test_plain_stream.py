@@ -5,9 +5,9 @@ import asyncio
 
 from app.serving.sse import PlainStream
 from app.serving.streaming import CompletionRenderer
-from engine.channel import Chunk, StreamChannel
+from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
-from engine.request import FinishReason
+from engine.types import Chunk, FinishReason
 from tests.e2e.sse import Event, parse_events, stream_text
 
 

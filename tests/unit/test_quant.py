@@ -7,7 +7,7 @@ import torch
 
 from engine.model.loader import resolve_int4_max_tokens
 from engine.model.quant import GROUP_SIZE, Int4Weight, int4_copies
-from engine.request import SamplingParams
+from engine.types import SamplingParams
 from tests.unit.helpers import collect, tiny_engine, tiny_loaded, tokens_of
 
 

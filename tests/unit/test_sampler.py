@@ -6,8 +6,9 @@ import torch
 # Every sampling path at once, for the tests that compare two ways of drawing the same rows.
 from bench.sampler import SETTINGS
 from engine.kernels.native import load_library
-from engine.request import Request, SamplingParams
+from engine.request import Request
 from engine.sampling.sampler import BLOCK, Sampler
+from engine.types import SamplingParams
 from tests.unit.helpers import CACHE_DIR, make_request
 
 # Every test runs on both of the sampler's paths: torch's, and the CPU kernel's.
@@ -267,7 +268,7 @@ def test_the_heads_block_maxima_change_no_token():
 
 
 def test_rows_that_penalties_or_a_grammar_changed_ignore_the_heads_block_maxima():
-    from engine.sampling.grammar import RowMask
+    from engine.sampling.masks import RowMask
 
     library = _kernels()
     logits, block_max = _head_and_block_max(library, 2, 1000, torch.Generator().manual_seed(6))

@@ -7,8 +7,8 @@ import torch
 
 from engine.channel import StreamChannel
 from engine.engine import SpeculativeConfig
-from engine.request import FinishReason, SamplingParams
 from engine.sampling.speculative import NgramProposer, Proposal, verify
+from engine.types import FinishReason, SamplingParams
 from tests.unit.helpers import collect, make_request, tiny_engine, tiny_loaded, tokens_of
 
 NGRAM = SpeculativeConfig("ngram", num_tokens=4, max_batch_size=16)

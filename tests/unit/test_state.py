@@ -8,7 +8,7 @@ from app.server import _start_engine_thread
 from app.settings import Settings
 from app.state import build_state
 from engine.model.host_memory import COLLECTOR_THRESHOLDS
-from engine.request import SamplingParams
+from engine.types import SamplingParams
 from tests.unit.helpers import collect, tiny_hf_model, tokens_of
 
 
