@@ -386,7 +386,9 @@ class Engine:
         self._emit(kept, None)
         self._num_steps += 1
 
-    def _emit(self, kept: list[tuple[Request, list[int]]], outputs: dict[int, tuple[list[int], list]] | None) -> None:
+    def _emit(
+        self, kept: list[tuple[Request, list[int]]], outputs: dict[Request, tuple[list[int], list]] | None
+    ) -> None:
         now = time.monotonic()
         for request, token_ids in kept:
             if request.first_token_time is None:
@@ -396,10 +398,10 @@ class Engine:
                 self.scheduler.free(request)
                 self.output.end(request, RequestStatus.FINISHED_CANCELLED)
                 continue
-            self.output.emit(request, token_ids, outputs[id(request)][1][: len(token_ids)] if outputs else [])
+            self.output.emit(request, token_ids, outputs[request][1][: len(token_ids)] if outputs else [])
 
-    def _propose(self) -> dict[int, Proposal]:
-        """Proposals for running decodes, by id(request); none above the batch-size cut-off."""
+    def _propose(self) -> dict[Request, Proposal]:
+        """Proposals for running decodes, by request; none above the batch-size cut-off."""
         spec = self.config.speculative
         if self.proposer is None or spec is None or len(self.scheduler.running) > spec.max_batch_size:
             return {}
@@ -424,29 +426,29 @@ class Engine:
             _trim(p, r.constraint.valid_prefix(p.token_ids)) if r.constraint is not None and p.token_ids else p
             for r, p in zip(eligible, proposals)
         ]
-        return {id(r): p for r, p in zip(eligible, proposals) if p.token_ids}
+        return {r: p for r, p in zip(eligible, proposals) if p.token_ids}
 
     def _start_masks(self, plan: StepPlan) -> Future[StepMasks] | None:
         """Start the masks of the constrained requests that sample this step (they depend only on
         tokens already kept, so they are computed while the forward runs)."""
         jobs = [
-            (request, plan.proposals.get(id(request), []))
+            (request, plan.proposals.get(request, []))
             for request, num_new in plan.scheduled
             if request.constraint is not None
-            and (id(request) in plan.proposals or request.num_computed_tokens + num_new == request.num_tokens)
+            and (request in plan.proposals or request.num_computed_tokens + num_new == request.num_tokens)
         ]
         return self.masks.start(jobs) if jobs else None
 
     def _advance_constraints(
-        self, samplers: list[Request], outputs: dict[int, tuple[list[int], list[TokenLogprob]]]
-    ) -> dict[int, int]:
+        self, samplers: list[Request], outputs: dict[Request, tuple[list[int], list[TokenLogprob]]]
+    ) -> dict[Request, int]:
         """Move each constrained request's grammar past its new tokens, then append the tokens the
-        grammar forces next (jump-forward). Returns how many were appended, by id(request)."""
-        forced: dict[int, int] = {}
+        grammar forces next (jump-forward). Returns how many were appended, by request."""
+        forced: dict[Request, int] = {}
         for request in samplers:
             if request.constraint is None:
                 continue
-            token_ids = outputs[id(request)][0]
+            token_ids = outputs[request][0]
             if not request.constraint.advance(token_ids):
                 # The masks come from the grammar, so a token they allowed that it then refuses means the
                 # grammar wants text no token of this vocabulary holds (llguidance allows a wrong token
@@ -462,22 +464,22 @@ class Engine:
                     request.finish(RequestStatus.FINISHED_REJECTED, _NO_TOKENS_FOR_GRAMMAR)
                     continue
                 token_ids.extend(extra)
-                forced[id(request)] = len(extra)
+                forced[request] = len(extra)
         return forced
 
     def _sample(
         self,
         plan: StepPlan,
-        proposals: dict[int, Proposal],
+        proposals: dict[Request, Proposal],
         samplers: list[Request],
         row_starts: list[int],
         head: HeadOutput,
         masks: StepMasks | None,
-    ) -> dict[int, tuple[list[int], list[TokenLogprob]]]:
+    ) -> dict[Request, tuple[list[int], list[TokenLogprob]]]:
         """Tokens (and logprobs) for every sampling request: one sampled, or verified proposals."""
-        outputs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
+        outputs: dict[Request, tuple[list[int], list[TokenLogprob]]] = {}
         logits, block_max = head.logits, head.block_max
-        plain = [i for i, r in enumerate(samplers) if id(r) not in plan.proposals]
+        plain = [i for i, r in enumerate(samplers) if r not in plan.proposals]
         if plain:
             requests = [samplers[i] for i in plain]
             starts = [row_starts[i] for i in plain]
@@ -488,11 +490,11 @@ class Engine:
             mask = masks.for_rows(requests, [0] * len(requests)) if masks is not None else None
             sampled = self.sampler.sample(requests, logits, mask, block_max)
             for request, token_id, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
-                outputs[id(request)] = ([token_id], [logprob] if logprob else [])
-        verifying = [i for i, r in enumerate(samplers) if id(r) in plan.proposals]
+                outputs[request] = ([token_id], [logprob] if logprob else [])
+        verifying = [i for i, r in enumerate(samplers) if r in plan.proposals]
         if verifying:
             requests = [samplers[i] for i in verifying]
-            trimmed = [_trim(proposals[id(r)], len(plan.proposals[id(r)])) for r in requests]
+            trimmed = [_trim(proposals[r], len(plan.proposals[r])) for r in requests]
             rows = [
                 row
                 for i, p in zip(verifying, trimmed)
@@ -510,7 +512,7 @@ class Engine:
                 request.num_accepted_tokens += result.num_accepted
                 self._num_draft_tokens += len(proposal.token_ids)
                 self._num_accepted_tokens += result.num_accepted
-                outputs[id(request)] = (result.token_ids, result.logprobs)
+                outputs[request] = (result.token_ids, result.logprobs)
         return outputs
 
     def _new_request(
@@ -541,8 +543,8 @@ class Engine:
         row_starts, row = [], 0
         for request in samplers:
             row_starts.append(row)
-            row += 1 + len(plan.proposals.get(id(request), ()))
-        num_new = {id(r): n for r, n in plan.scheduled}
+            row += 1 + len(plan.proposals.get(request, ()))
+        num_new = {r: n for r, n in plan.scheduled}
         for parent, parent_row in list(zip(samplers, row_starts)):
             if not parent.num_pending_forks:
                 continue
@@ -561,7 +563,7 @@ class Engine:
                 if copies is not None:
                     self.runner.copy_blocks(copies)
                     child.num_computed_tokens = parent.num_computed_tokens
-                    plan.scheduled.append((child, num_new[id(parent)]))
+                    plan.scheduled.append((child, num_new[parent]))
                     samplers.append(child)
                     row_starts.append(parent_row)
                 self.scheduler.add_fork(parent, child)

@@ -24,9 +24,9 @@ class StepPlan:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     # Running requests skipped because their reader is behind.
     num_paused: int = 0
-    # Speculative proposals by id(request), as trimmed to the step's budget; such a request
+    # Speculative proposals by request, as trimmed to the step's budget; such a request
     # computes its last token plus these in one go.
-    proposals: dict[int, list[int]] = field(default_factory=dict)
+    proposals: dict[Request, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -71,10 +71,10 @@ class Scheduler:
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
 
-    def schedule(self, proposals: dict[int, list[int]] | None = None) -> StepPlan:
+    def schedule(self, proposals: dict[Request, list[int]] | None = None) -> StepPlan:
         """Running requests first (decodes ahead of prefill chunks), then admit waiting ones.
 
-        A decode with `proposals` (by id(request)) gets room to verify as many of them as
+        A decode with `proposals` (by request) gets room to verify as many of them as
         the token budget allows.
 
         A request whose reader has fallen `max_unread_tokens` behind is paused: it keeps
@@ -98,12 +98,12 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._make_room(request, num_new, plan):
                 continue
-            proposed = proposals.get(id(request), [])[: budget - num_new] if proposals and num_new == 1 else []
+            proposed = proposals.get(request, [])[: budget - num_new] if proposals and num_new == 1 else []
             # Speculation never preempts anyone.
             if proposed and self.block_manager.can_allocate(
                 self.block_manager.num_blocks_needed(request, num_new + len(proposed))
             ):
-                plan.proposals[id(request)] = proposed
+                plan.proposals[request] = proposed
                 num_new += len(proposed)
             self.block_manager.allocate(request, num_new)
             plan.scheduled.append((request, num_new))
@@ -140,8 +140,8 @@ class Scheduler:
         it had to be preempted itself."""
         needed = self.block_manager.num_blocks_needed(request, num_new)
         while not self.block_manager.can_allocate(needed):
-            scheduled = {id(r) for r, _ in plan.scheduled}
-            victims = [r for r in self.running if id(r) not in scheduled and r is not request]
+            scheduled = {r for r, _ in plan.scheduled}
+            victims = [r for r in self.running if r not in scheduled and r is not request]
             victim = victims[-1] if victims else request
             self._preempt(victim)
             if victim is request:
@@ -158,20 +158,20 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(
-        self, plan: StepPlan, sampled: dict[int, list[int]], forced: dict[int, int] | None = None
+        self, plan: StepPlan, sampled: dict[Request, list[int]], forced: dict[Request, int] | None = None
     ) -> list[tuple[Request, list[int]]]:
-        """Advance counters, append sampled tokens (keyed by id(request)) and latch finishes.
+        """Advance counters, append sampled tokens (keyed by request) and latch finishes.
 
-        The last `forced[id(request)]` of a request's tokens were appended by its grammar
+        The last `forced[request]` of a request's tokens were appended by its grammar
         (jump-forward), not computed. Tokens after the one that finishes a request are
         dropped. Returns each sampling request with the tokens it kept.
         """
         kept: list[tuple[Request, list[int]]] = []
         for request, num_new in plan.scheduled:
-            token_ids = sampled.get(id(request))
-            if token_ids is not None and id(request) in plan.proposals:
+            token_ids = sampled.get(request)
+            if token_ids is not None and request in plan.proposals:
                 # K/V is valid up to the last accepted proposal; the rest is rolled back.
-                request.num_computed_tokens += len(token_ids) - (forced or {}).get(id(request), 0)
+                request.num_computed_tokens += len(token_ids) - (forced or {}).get(request, 0)
                 self.block_manager.truncate(request, request.num_computed_tokens + 1)
             else:
                 request.num_computed_tokens += num_new
@@ -180,16 +180,10 @@ class Scheduler:
                 continue
             for count, token_id in enumerate(token_ids, start=1):
                 request.token_ids.append(token_id)
-                if self.is_stop_token(request, token_id):
-                    request.finish(RequestStatus.FINISHED_STOPPED)
-                elif self._reaches_length(request, request.num_tokens):
-                    request.finish(RequestStatus.FINISHED_LENGTH)
-                elif count == len(token_ids) and request.constraint is not None and request.constraint.done:
-                    # The grammar allows nothing more: the output is complete.
-                    request.finish(RequestStatus.FINISHED_STOPPED)
-                if request.is_finished:
+                # After its last token, a grammar that allows nothing more has completed the output.
+                grammar_done = count == len(token_ids) and request.constraint is not None and request.constraint.done
+                if self._finishes(request, token_id, request.num_tokens, grammar_done):
                     kept.append((request, token_ids[:count]))
-                    self.free(request)
                     break
             else:
                 kept.append((request, list(token_ids)))
@@ -213,17 +207,28 @@ class Scheduler:
                 continue
             request.token_ids[position] = token_id
             request.num_pending -= 1
-            if self.is_stop_token(request, token_id):
-                request.finish(RequestStatus.FINISHED_STOPPED)
-            elif self._reaches_length(request, position + 1):
-                request.finish(RequestStatus.FINISHED_LENGTH)
-            if request.is_finished:
-                self.free(request)
+            self._finishes(request, token_id, position + 1)
             kept.append((request, [token_id]))
         for request, _ in plan.scheduled:
             if not request.is_finished:
                 self.block_manager.register(request)
         return kept
+
+    def _finishes(self, request: Request, token_id: int, num_tokens: int, grammar_done: bool = False) -> bool:
+        """The finish rule of postprocess() and complete() alike, for a request's new token `token_id`
+        that makes `num_tokens` (prompt included): a stop token, else the length limit, else a grammar
+        that allows nothing more ends it (a finish latched earlier stands), and a finished request is
+        freed. Returns whether it finished."""
+        if self.is_stop_token(request, token_id):
+            request.finish(RequestStatus.FINISHED_STOPPED)
+        elif self._reaches_length(request, num_tokens):
+            request.finish(RequestStatus.FINISHED_LENGTH)
+        elif grammar_done:
+            request.finish(RequestStatus.FINISHED_STOPPED)
+        if not request.is_finished:
+            return False
+        self.free(request)
+        return True
 
     def _reaches_length(self, request: Request, num_tokens: int) -> bool:
         """Whether the request's first `num_tokens` tokens (prompt included) are as many as it may have."""

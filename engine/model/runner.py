@@ -101,7 +101,7 @@ class ModelRunner:
         sampling_requests: list[Request] = []
         for request, num_new in sorted(plan.scheduled, key=lambda entry: entry[1] > 1):
             start = request.num_computed_tokens
-            proposed = plan.proposals.get(id(request))
+            proposed = plan.proposals.get(request)
             if proposed:
                 # Verification: the target's scores after the last token and after each proposal.
                 segments.append(Segment(request, start, request.token_ids[start:] + proposed, Logits.ALL))

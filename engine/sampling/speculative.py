@@ -84,44 +84,42 @@ class DraftProposer:
         self.block_manager = block_manager
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[Proposal]:
-        drafts: dict[int, list[int]] = {id(r): [] for r in requests}
-        probs: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
-        wanted = {id(r): k for r, k in zip(requests, num_tokens) if k > 0 and self._reserve(r, k)}
+        drafts: dict[Request, list[int]] = {r: [] for r in requests}
+        probs: dict[Request, list[torch.Tensor]] = {r: [] for r in requests}
+        wanted = {r: k for r, k in zip(requests, num_tokens) if k > 0 and self._reserve(r, k)}
         # First the tokens the draft has not seen (prompt, accepted tokens), then one at a time.
         segments = [
             Segment(r, r.num_draft_computed, r.token_ids[r.num_draft_computed :], Logits.LAST)
             for r in requests
-            if id(r) in wanted
+            if r in wanted
         ]
         while segments:
             segments.sort(key=lambda s: len(s.token_ids) > 1)
             logits = self.runner.run(segments).logits
             active = [s.request for s in segments]
-            processed = apply_penalties(active, logits, [drafts[id(r)] for r in active])
+            processed = apply_penalties(active, logits, [drafts[r] for r in active])
             chosen = processed.argmax(dim=-1).tolist()
             sampled = [i for i, r in enumerate(active) if not r.params.greedy]
             if sampled:
                 drawing = [active[i] for i in sampled]
                 q = probabilities(processed[sampled], drawing)
-                u = uniforms(
-                    [r.rng_key for r in drawing], [r.num_tokens + len(drafts[id(r)]) for r in drawing], LANE_DRAFT
-                )
+                u = uniforms([r.rng_key for r in drawing], [r.num_tokens + len(drafts[r]) for r in drawing], LANE_DRAFT)
                 for j, (i, token_id) in enumerate(zip(sampled, draw(q, u).tolist())):
                     chosen[i] = token_id
-                    probs[id(active[i])].append(q[j])
+                    probs[active[i]].append(q[j])
             next_segments = []
             for segment, token_id in zip(segments, chosen):
                 request = segment.request
                 request.num_draft_computed = segment.start + len(segment.token_ids)
-                drafts[id(request)].append(token_id)
-                if len(drafts[id(request)]) < wanted[id(request)]:
+                drafts[request].append(token_id)
+                if len(drafts[request]) < wanted[request]:
                     next_segments.append(Segment(request, request.num_draft_computed, [token_id], Logits.LAST))
             segments = next_segments
         for request in requests:
             # The draft's K/V past the request's real tokens hold proposals, valid only if
             # accepted; recomputing the few accepted ones next step is cheaper than tracking them.
             request.num_draft_computed = min(request.num_draft_computed, request.num_tokens)
-        return [Proposal(drafts[id(r)], torch.stack(probs[id(r)]) if probs[id(r)] else None) for r in requests]
+        return [Proposal(drafts[r], torch.stack(probs[r]) if probs[r] else None) for r in requests]
 
     def _reserve(self, request: Request, k: int) -> bool:
         """Blocks for the draft's writes and the target's verification; False when none are free."""

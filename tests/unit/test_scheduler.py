@@ -17,7 +17,7 @@ def run_step(scheduler, token=7):
     sampled = {}
     for request, n in plan.scheduled:
         if request.num_computed_tokens + n == request.num_tokens:
-            sampled[id(request)] = [token]
+            sampled[request] = [token]
     scheduler.postprocess(plan, sampled)
     return plan
 
@@ -150,3 +150,10 @@ def test_admission_counts_the_cached_blocks_it_takes_off_the_free_pool():
         run_step(scheduler)
         manager.check_integrity(scheduler.requests())
     assert second.num_output_tokens == 3
+
+
+def test_requests_are_keys_by_identity():
+    """Per-request state of a step is held in dicts keyed by Request: two requests alike are two keys."""
+    first, second = make_request(4), make_request(4)
+    assert first != second and len({first: 1, second: 2}) == 2
+    assert type(first).__hash__ is object.__hash__
