@@ -20,7 +20,8 @@ from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry
 from app.serving.tools import ToolUse
 from app.settings import Settings
-from engine.engine import Engine, EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.engine import Engine
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError

@@ -364,7 +364,7 @@ class EngineThreadJobs:
         done: Future = Future()
         self._jobs.put((job, done))
         # Anything in the inbox ends the engine's idle wait; an item it does not know is ignored.
-        self._engine._inbox.put(self._WAKE)
+        self._engine.inbox.put(self._WAKE)
         return done.result()
 
 

@@ -10,7 +10,7 @@ fixed logits, so everything else of `Engine.step` runs as in a server: schedulin
 (on a CPU its torch attention metadata, which a GPU's graphs replace), sampling an argmax, the
 scheduler's bookkeeping, detokenizing and staging chunks, and the flush that hands them to the event
 loop (which takes them and is not timed). "Overlapped" gives the engine the buffer of
-engine/future_tokens.py, as on a GPU: tokens come back through placeholders a step later.
+engine/step/overlapped.py, as on a GPU: tokens come back through placeholders a step later.
 
 `--graphs` builds the decode steps' inputs as a GPU does instead of the CPU's attention metadata: the
 runner gets the GPU's paged kernels (never launched: the forward is stubbed) and decode "graphs" run
@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
-from engine.future_tokens import FutureTokens  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.causal_lm import HeadOutput  # noqa: E402
 from engine.model.graphs import run_eagerly  # noqa: E402
@@ -51,15 +50,13 @@ def step_time(loaded, streams: int, steps: int, overlap: bool, graphs: bool) -> 
         block_size=16,
         # Every request decodes through the whole run (contexts reach about `steps` tokens).
         max_model_len=steps + 64,
+        overlap_steps=overlap,
     )
-    if overlap:
-        engine.future = FutureTokens(streams, engine.runner.device)
     if graphs:
         runner, model = engine.runner, loaded.model
         runner.gpu_attention = gpu_attention(
             torch.device("cuda"), runner.block_size, model.num_heads, model.num_kv_heads, model.head_dim
         )
-        runner.placeholders = engine.future.buffer if overlap else None
         runner.capture_decode_graphs(streams, engine.config.max_model_len, capture=run_eagerly)
     vocab = loaded.model.vocab_size
     logits = torch.zeros(streams, vocab)

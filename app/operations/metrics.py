@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.engine import EngineStats
+from engine.config import EngineStats
 from engine.types import Timings
 
 # vLLM's buckets, so the same dashboard panels and alerts apply.

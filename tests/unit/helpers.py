@@ -10,8 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.channel import StreamChannel
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, use_invariant_kernels
 from engine.request import Request

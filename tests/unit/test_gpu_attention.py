@@ -9,7 +9,7 @@ import torch
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernels run in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU's attention kernels are written in Triton")
 
-from engine.engine import SpeculativeConfig  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import collect, tiny_engine, tiny_loaded  # noqa: E402

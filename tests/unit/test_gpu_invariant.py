@@ -13,7 +13,7 @@ import torch
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernels run in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU's batch-invariant kernels are written in Triton")
 
-from engine.engine import SpeculativeConfig  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
 from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm, linear_config  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import collect, tiny_engine, tiny_hf_model, tiny_loaded, tokens_of  # noqa: E402

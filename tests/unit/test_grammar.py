@@ -111,7 +111,7 @@ async def test_every_grammar_kind_constrains_the_output(loaded, spec, check):
 async def test_speculation_under_a_grammar_gives_the_same_greedy_output(repetitive):
     outputs = {}
     for speculative in ("off", "ngram"):
-        from engine.engine import SpeculativeConfig
+        from engine.config import SpeculativeConfig
 
         spec_config = SpeculativeConfig("ngram", num_tokens=4) if speculative == "ngram" else None
         engine = tiny_engine(repetitive, speculative=spec_config)

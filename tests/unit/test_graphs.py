@@ -16,8 +16,7 @@ import torch
 pytest.importorskip("triton", reason="graphs replay the Triton paged decode kernel")
 
 from engine.channel import StreamChannel  # noqa: E402
-from engine.engine import SpeculativeConfig  # noqa: E402
-from engine.future_tokens import FutureTokens  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.graphs import CudaGraphCapture, batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
@@ -79,12 +78,10 @@ async def test_replayed_decode_steps_give_the_tokens_of_eager_steps(default_toke
     lengths = [36 - 3 * i for i in range(12)]
 
     async def run(replayed):
-        engine = tiny_engine(loaded, block_size=16, max_num_seqs=12)
+        engine = tiny_engine(loaded, block_size=16, max_num_seqs=12, overlap_steps=overlap)
         engine.runner.gpu_attention = _kernels(loaded.model)
         # On CUDA the engine has captured graphs of its own: the eager run drops them.
         engine.runner.graphs = None
-        engine.future = FutureTokens(12, engine.runner.device) if overlap else None
-        engine.runner.placeholders = engine.future.buffer if overlap else None
         execute, resolved_steps = engine.runner.execute, []
 
         def counting(plan, resolve=None):

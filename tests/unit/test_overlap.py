@@ -1,5 +1,5 @@
-"""Overlapped steps (engine/future_tokens.py): a step launched before the one in flight hands back its
-tokens. The engine overlaps only on a GPU; here its buffer is given to a CPU engine, which then runs
+"""Overlapped steps (engine/step/overlapped.py): a step launched before the one in flight hands back its
+tokens. The engine overlaps by default only on a GPU; here a CPU engine is told to, and then runs
 the same placeholder path (on a GPU the CUDA tests of test_graphs.py run it with graphs)."""
 
 import asyncio
@@ -8,7 +8,6 @@ import random
 import pytest
 
 from engine.channel import StreamChannel
-from engine.future_tokens import FutureTokens
 from engine.types import FinishReason, SamplingParams
 from tests.unit.helpers import SAMPLING_KINDS, collect, tiny_engine, tiny_loaded, tokens_of, wait_for
 
@@ -23,9 +22,8 @@ def make_engine(loaded):
     engines = []
 
     def make(overlap: bool, **overrides):
-        engine = tiny_engine(loaded, **overrides)
+        engine = tiny_engine(loaded, overlap_steps=overlap, **overrides)
         if overlap:
-            engine.future = FutureTokens(engine.config.max_num_seqs, engine.runner.device)
             # Count the steps whose inputs held placeholders: proof that steps did overlap.
             engine.overlapped = 0
             execute = engine.runner.execute

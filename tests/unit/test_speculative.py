@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.channel import StreamChannel
-from engine.engine import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from engine.sampling.speculative import NgramProposer, Proposal, verify
 from engine.types import FinishReason, SamplingParams
 from tests.unit.helpers import collect, make_request, tiny_engine, tiny_loaded, tokens_of

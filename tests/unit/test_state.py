@@ -44,7 +44,7 @@ async def test_a_draft_folder_serves_with_output_unchanged(folder, tmp_path):
 
 def test_self_draft_takes_the_first_layers(folder, tmp_path):
     state = build_state(settings(folder, tmp_path, speculative="draft", draft_model="self:1"))
-    assert state.engine.proposer.runner.model.num_layers == 1
+    assert state.engine.speculation.proposer.runner.model.num_layers == 1
     with pytest.raises(ValueError, match="self-draft"):
         build_state(settings(folder, tmp_path, speculative="draft", draft_model="self:2"))
     with pytest.raises(ValueError, match="--draft-model"):
