@@ -86,5 +86,9 @@ def test_no_import_cycles() -> None:
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+def test_the_plain_data_types_import_no_project_module() -> None:
+    assert import_graph()["engine.types"] == set()
+
+
 def test_a_circle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
