@@ -1,5 +1,6 @@
-"""No import circle among the modules of app/ and engine/: each module's imports, wherever they
-stand (a function's body or `if TYPE_CHECKING:` too), found with `ast` without importing anything."""
+"""No import circle among the modules of app/ and engine/: each module's imports that run, wherever they
+stand (a function's body too), found with `ast` without importing anything. Imports under
+`if TYPE_CHECKING:` never run and are left out."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def imported(path: Path, name: str, modules: set[str]) -> set[str]:
     """The project modules that `path` (module `name`) imports; `from package import module` names the module."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -31,6 +32,20 @@ def imported(path: Path, name: str, modules: set[str]) -> set[str]:
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return {module for module in found if module in modules and module != name}
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` except those under `if TYPE_CHECKING:`."""
+    nodes, pending = [], [tree]
+    while pending:
+        node = pending.pop()
+        nodes.append(node)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+                pending.extend(child.orelse)
+                continue
+            pending.append(child)
+    return nodes
 
 
 def import_graph() -> dict[str, set[str]]:
