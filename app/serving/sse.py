@@ -186,12 +186,22 @@ class _SseResponse(EventSourceResponse):
             await send(message)
 
 
+# A keep-alive is one comment line with no blank line after it: a blank line ends an event, and the
+# OpenAI Python SDK's reader, which keeps the last `id:` across events, turns a blank line after a
+# comment into an event with empty data and fails to parse it (every Sluice event has an id, so any
+# pause past the keep-alive after the first event broke SDK streams). SSE ignores comment lines
+# wherever they stand, so a bare one keeps proxies busy and reaches no client as an event. (sse-starlette
+# sends the factory's bytes as they are, through `ensure_bytes`.)
+KEEPALIVE = b": ping\n"
+
+
 def event_stream(events: AsyncIterator[bytes], keepalive_seconds: float) -> EventSourceResponse:
     """The SSE response, returned before the first token exists; a comment every
     `keepalive_seconds` keeps proxies from closing a quiet stream."""
     return _SseResponse(
         events,
         ping=keepalive_seconds,
+        ping_message_factory=lambda: KEEPALIVE,
         sep="\n",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

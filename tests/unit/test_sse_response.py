@@ -2,7 +2,10 @@
 the first to end ends the others, a failure is the response's, and nothing is left running."""
 
 import asyncio
+import json
 
+import httpx
+import openai
 import pytest
 
 from app.serving.sse import event_stream
@@ -101,3 +104,28 @@ async def test_pings_flow_while_the_body_waits_and_stop_with_it():
     assert len([b for b in bodies if b.startswith(b": ping")]) >= 2
     await asyncio.sleep(0)
     assert not others()
+
+
+async def test_a_keepalive_after_an_event_is_no_event_to_the_openai_sdk():
+    """The SDK's reader keeps the last `id:` across events, so a comment followed by a blank line after
+    an event became an event with empty data that it failed to parse as JSON."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+
+    async def events():
+        first = {**chunk, "choices": [{"index": 0, "delta": {"content": "a"}}]}
+        yield f"id: 1\ndata: {json.dumps(first)}\n\n".encode()
+        await asyncio.sleep(0.35)
+        yield b"id: 2\ndata: [DONE]\n\n"
+
+    client = Client()
+    await event_stream(events(), keepalive_seconds=0.1)(SCOPE, client.receive, client.send)
+    body = b"".join(client.bodies())
+    assert body.count(b": ping") >= 2
+
+    def replay(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    transport = httpx.MockTransport(replay)
+    sdk = openai.OpenAI(api_key="x", base_url="http://sluice/v1", http_client=httpx.Client(transport=transport))
+    stream = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    assert [c.choices[0].delta.content for c in stream] == ["a"]
