@@ -40,6 +40,7 @@ from pydantic_settings import CliApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app import server_process  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from bench import hostcost, peers, serve  # noqa: E402
 
@@ -96,11 +97,11 @@ def shape_folder(name: str, cache_dir: Path, tokenizer: Path | None) -> Path:
 
 def start_transformers(command: str, folder: Path) -> tuple[subprocess.Popen, str]:
     """`transformers serve --continuous-batching` on `folder` in bfloat16, on the GPU where there is one."""
-    port = serve.free_port()
+    port = server_process.free_port()
     argv = peers.transformers_serve(shlex.split(command), folder, "bfloat16", port)
     proc = subprocess.Popen(argv, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     base = f"http://127.0.0.1:{port}"
-    peers.wait_until_healthy(proc, base, "transformers serve")
+    server_process.wait_until_healthy(proc, base, "transformers serve")
     return proc, base
 
 

@@ -17,11 +17,10 @@ import os
 import subprocess
 import sys
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from app.server_process import wait_until_healthy
 
 PEERS_DIR = Path(os.environ.get("SLUICE_PEERS_DIR", Path.home() / ".cache" / "sluice-peers"))
 TORCH = "torch==2.13.0"
@@ -147,22 +146,6 @@ def start(peer: str, model: Model, port: int) -> tuple[subprocess.Popen, str]:
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(proc, base, peer)
     return proc, base
-
-
-def wait_until_healthy(proc: subprocess.Popen, base: str, name: str, timeout: float = 600) -> None:
-    """Poll `base`/health until it answers 200; kill the server and raise if it exits or never does."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{name} did not start")
 
 
 def main() -> None:

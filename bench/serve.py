@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app import server_process  # noqa: E402
 from bench import peers  # noqa: E402
 from bench.peers import Model  # noqa: E402
 
@@ -278,25 +278,13 @@ def load_tokenizer(path: str | None):
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(
     flags: str, entry: tuple[str, ...] = ("-m", "app"), checkout: Path | None = None
 ) -> tuple[subprocess.Popen, str]:
     """A Sluice server with `flags` on a free port; `entry` is what Python runs (a script that
     wraps the server, as bench/stub_accelerator.py does), from `checkout` (another worktree, for
     a before / after comparison) or this one."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    command = [sys.executable, *entry, "--port", str(port), "--log-level", "warning", *shlex.split(flags)]
-    proc = subprocess.Popen(command, env=env, cwd=checkout)
-    base = f"http://127.0.0.1:{port}"
-    peers.wait_until_healthy(proc, base, f"sluice {flags!r}")
-    return proc, base
+    return server_process.start(shlex.split(flags), entry, cwd=checkout)
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> bool:
@@ -352,7 +340,7 @@ def main() -> None:
         if kind == "spawn":
             return spawn(where)
         if kind == "peer":
-            return peers.start(where, default_model(), free_port())
+            return peers.start(where, default_model(), server_process.free_port())
         return None, where
 
     results: dict[str, list[dict]] = {}

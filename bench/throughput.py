@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
+
+from app import server_process
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper.",
@@ -71,26 +69,6 @@ async def level(base: str, concurrency: int, max_tokens: int) -> dict:
     }
 
 
-def spawn(flags: str) -> tuple[subprocess.Popen, str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", *shlex.split(flags)],
-        env=dict(os.environ, HF_HUB_OFFLINE="1"),
-    )
-    base = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"server with flags {flags!r} exited")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base, time.perf_counter() - start
-        except httpx.HTTPError:
-            time.sleep(0.2)
-
-
 async def run_levels(base: str, levels: list[int], max_tokens: int) -> list[dict]:
     await level(base, 1, 4)  # warm-up
     return [await level(base, c, max_tokens) for c in levels]
@@ -110,7 +88,9 @@ def main() -> None:
         if flags is None:
             base, label = args.base_url, args.base_url
         else:
-            proc, base, startup = spawn(flags)
+            started = time.perf_counter()
+            proc, base = server_process.start(shlex.split(flags))
+            startup = time.perf_counter() - started
             label = f"sluice {flags}".strip()
             print(f"[{label}] start-up {startup:.1f} s")
         try:
@@ -118,8 +98,7 @@ def main() -> None:
                 print(f"[{label}] " + json.dumps(row))
         finally:
             if proc is not None:
-                proc.terminate()
-                proc.wait()
+                server_process.stop(proc)
 
 
 if __name__ == "__main__":
