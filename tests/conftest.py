@@ -3,6 +3,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests: the full number of examples in CI (where CI=true), two fifths of it for a quicker
+# run elsewhere. Tests whose examples cost seconds of generation take a fraction of these.
+settings.register_profile("ci", max_examples=60)
+settings.register_profile("dev", max_examples=24)
+settings.load_profile("ci" if os.environ.get("CI") == "true" else "dev")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():

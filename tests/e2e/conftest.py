@@ -1,85 +1,155 @@
-"""A real Sluice server process on 127.0.0.1 serving the default model."""
+"""Real Sluice server processes on 127.0.0.1, one per configuration the tests need.
 
-import os
-import socket
+Each is started by the first test that asks for it and stopped after the last one that does (in
+collection order), so the suite starts each configuration once and holds few servers at a time
+(one on the default model is about 3.7 GB). Tests share them: every test starts from a server with
+nothing running (`server` waits for that) and checks what its requests change, not totals.
+"""
+
+from __future__ import annotations
+
 import subprocess
-import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 import httpx
 import pytest
 
+from app import server_process
 from tests.conftest import CACHE_DIR
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The server as `make serve` runs it, plus the fault-injection hook.
+DEFAULT_FLAGS = ("--enable-fault-injection",)
+# The door's keys: one given as a flag, one read from its key file.
+KEY, FILE_KEY = "sk-sluice-test", "sk-from-file"
 
 
 def start_server(*flags: str, stderr: IO[bytes] | None = None) -> tuple[subprocess.Popen, str]:
-    """A server process with these flags, once /health answers 200 (its stderr to `stderr` if given).
-    On the CPU on every machine: what these tests check (outputs that do not depend on the batch above
-    all) is the CPU kernels' promise; the GPU path has its own tests (tests/unit) and benchmark
-    (bench/gpu.py)."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SLUICE_CACHE_DIR=str(CACHE_DIR))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning", "--device", "cpu", *flags],
-        env=env,
-        stderr=stderr,
+    """A server process of its own with these flags, once /health answers 200 (its stderr to `stderr`
+    if given). On the CPU on every machine: what these tests check (outputs that do not depend on the
+    batch above all) is the CPU kernels' promise; the GPU path has its own tests (tests/unit) and
+    benchmark (bench/gpu.py)."""
+    return server_process.start(
+        ["--device", "cpu", *flags], env={"SLUICE_CACHE_DIR": str(CACHE_DIR)}, stderr=stderr, timeout=180
     )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, "server exited during start-up"
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.3)
-    return proc, base
 
 
-def _serve(*flags: str):
+def serve(*flags: str) -> Iterator[str]:
+    """For a fixture of a module that needs a configuration no other module does: its own server."""
     proc, base = start_server(*flags)
     yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    server_process.stop(proc)
+
+
+class SharedServers:
+    """The session's shared servers by fixture name: started on first use, stopped by
+    `pytest_runtest_teardown` once no later test uses that fixture."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.bases: dict[str, str] = {}
+
+    def get(self, name: str, *flags: str) -> str:
+        if name not in self.procs:
+            self.procs[name], self.bases[name] = start_server(*flags)
+        return self.bases[name]
+
+    def stop_unused(self, remaining: list[pytest.Item]) -> None:
+        for name in [name for name in self.procs if not any(name in item.fixturenames for item in remaining)]:
+            server_process.stop(self.procs.pop(name))
+
+    def wait_until_idle(self, names: list[str], timeout: float = 60) -> None:
+        """Until the named running servers have no request running, waiting or paused: what a test
+        that ended early (a client gone, a fault) left still winding down."""
+        for name in names:
+            deadline = time.monotonic() + timeout
+            while True:
+                health = httpx.get(f"{self.bases[name]}/health", timeout=5).json()
+                if health["num_running"] == health["num_waiting"] == health["num_paused"] == 0:
+                    break
+                assert time.monotonic() < deadline, f"{name} did not become idle: {health}"
+                time.sleep(0.05)
+
+
+_SHARED = SharedServers()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    items = item.session.items
+    _SHARED.stop_unused(items[items.index(item) + 1 :] if nextitem is not None else [])
+
+
+def pytest_sessionfinish() -> None:
+    _SHARED.stop_unused([])
+
+
+@pytest.fixture(autouse=True)
+def _shared_servers_idle(request: pytest.FixtureRequest) -> None:
+    _SHARED.wait_until_idle([name for name in _SHARED.procs if name in request.fixturenames])
 
 
 @pytest.fixture(scope="session")
-def server(default_model_path):
-    """The server as `make serve` runs it, plus the fault-injection hook."""
-    yield from _serve("--enable-fault-injection")
-
-
-@pytest.fixture(scope="module")
-def own_server(default_model_path):
-    """A default server for one test module, for tests that need the server's state to themselves."""
-    yield from _serve()
+def server(default_model_path) -> str:
+    """The default configuration, shared by every test that needs nothing else."""
+    return _SHARED.get("server", *DEFAULT_FLAGS)
 
 
 @pytest.fixture(scope="session")
-def flow_server(default_model_path):
+def flow_server(default_model_path) -> str:
     """Tight flow-control settings, so back-pressure, keep-alive and resume expiry happen within seconds."""
-    yield from _serve(
-        "--max-unread-tokens",
-        "16",
-        "--write-buffer-kib",
-        "4",
-        "--keepalive-seconds",
-        "0.3",
-        "--resume-window-seconds",
-        "3",
-    )
+    flags = ("--max-unread-tokens", "16", "--write-buffer-kib", "4", "--keepalive-seconds", "0.3")
+    return _SHARED.get("flow_server", *flags, "--resume-window-seconds", "3")
+
+
+@pytest.fixture(scope="session")
+def ngram_server(default_model_path) -> str:
+    """Default numerics, n-gram speculation, and a small unread-token bound so slow readers pause."""
+    return _SHARED.get("ngram_server", "--speculative", "ngram", "--max-unread-tokens", "8")
+
+
+@pytest.fixture(scope="session")
+def door(tmp_path_factory, default_model_path) -> tuple[str, int, Path]:
+    """Every front-door setting on: keys (flag and file), protected metrics, a queue bound, a body
+    limit, a max_tokens cap and an audit log. Its base URL, process id and audit log."""
+    folder = tmp_path_factory.mktemp("door")
+    (folder / "keys").write_text(f"# operators\n\n{FILE_KEY}\n")
+    audit = folder / "audit.jsonl"
+    base = _SHARED.get(
+        "door",
+        "--api-key", KEY,
+        "--api-key-file", str(folder / "keys"),
+        "--protect-metrics",
+        "--max-queue", "2",
+        "--max-num-seqs", "2",
+        "--max-request-bytes", "4096",
+        "--max-tokens-limit", "64",
+        "--audit-log", str(audit),
+        "--timeout-keep-alive", "3",
+    )  # fmt: skip
+    return base, _SHARED.procs["door"].pid, audit
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, default_tokenizer) -> Path:
+    """A tiny random Llama with the default model's tokenizer: for tests of what the API accepts and
+    answers (validation, fuzzing), whose text does not matter and whose requests must be quick."""
+    from tests.unit.helpers import tiny_hf_model
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_hf_model(vocab_size=len(default_tokenizer)).save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_path) -> str:
+    """The tiny model behind a real server, generation kept short (64 tokens of context, 8 of output)."""
+    flags = ("--model", str(tiny_model_path), "--max-model-len", "64", "--max-tokens-limit", "8")
+    return _SHARED.get("tiny_server", *flags, "--kv-cache-gib", "0.05")
 
 
 @pytest.fixture(scope="session")

@@ -41,8 +41,8 @@ async def read_stream(response: httpx.Response, delay: float = 0.0) -> list:
     return parse_events(lines)
 
 
-async def test_mixed_traffic_leaves_the_server_as_it_found_it(own_server):
-    base = own_server
+async def test_mixed_traffic_leaves_the_server_as_it_found_it(server):
+    base = server
     url = f"{base}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=120) as client:
         before = (await client.get(f"{base}/health")).json()

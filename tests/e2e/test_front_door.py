@@ -11,12 +11,11 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_server
+from tests.e2e.conftest import FILE_KEY, KEY, start_server
 from tests.e2e.sse import parse_events
 
 pytestmark = pytest.mark.slow
 
-KEY, FILE_KEY = "sk-sluice-test", "sk-from-file"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -33,29 +32,6 @@ def chat(content="Say something", max_tokens=16, **extra) -> dict:
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1))
-
-
-@pytest.fixture(scope="module")
-def door(tmp_path_factory, default_model_path):
-    """One server with every front-door setting on: keys (flag and file), protected metrics, a queue
-    bound, a body limit, a max_tokens cap and an audit log."""
-    folder = tmp_path_factory.mktemp("door")
-    (folder / "keys").write_text(f"# operators\n\n{FILE_KEY}\n")
-    audit = folder / "audit.jsonl"
-    proc, base = start_server(
-        "--api-key", KEY,
-        "--api-key-file", str(folder / "keys"),
-        "--protect-metrics",
-        "--max-queue", "2",
-        "--max-num-seqs", "2",
-        "--max-request-bytes", "4096",
-        "--max-tokens-limit", "64",
-        "--audit-log", str(audit),
-        "--timeout-keep-alive", "3",
-    )  # fmt: skip
-    yield base, proc, audit
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def test_api_keys_guard_every_v1_route_and_leave_health_open(door):
@@ -199,9 +175,9 @@ def test_max_tokens_is_capped_by_the_operator(door):
 
 
 def test_a_burst_past_the_queue_bound_gets_429_and_the_rest_completes(door):
-    base, proc, audit = door
+    base, pid, audit = door
     httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=8), headers=AUTH)
-    idle = rss_kib(proc.pid)
+    idle = rss_kib(pid)
     results: list[httpx.Response] = []
 
     def send():
@@ -219,7 +195,7 @@ def test_a_burst_past_the_queue_bound_gets_429_and_the_rest_completes(door):
         assert response.json()["error"]["type"] == "rate_limit_error"
         assert int(response.headers["retry-after"]) >= 1
     assert all(r.json()["usage"]["completion_tokens"] == 24 for r in served)
-    assert rss_kib(proc.pid) <= 1.2 * idle
+    assert rss_kib(pid) <= 1.2 * idle
     lines = audit_lines(audit)
     for response in refused:
         (line,) = [line for line in lines if line["request_id"] == response.headers["x-request-id"]]

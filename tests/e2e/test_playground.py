@@ -9,6 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e.conftest import KEY
+
 pytestmark = pytest.mark.slow
 
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -38,10 +40,10 @@ def browser():
 
 
 @pytest.fixture
-def page(browser, own_server):
-    browser.get(own_server + "/")
+def page(browser, server):
+    browser.get(server + "/")
     browser.execute_script("sessionStorage.clear()")
-    browser.get(own_server + "/")
+    browser.get(server + "/")
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text not in ("", "…"))
     return browser
 
@@ -70,7 +72,7 @@ def idle(driver):
     return driver.find_element(By.ID, "send").is_enabled()
 
 
-def test_a_prompt_streams_into_the_page_and_the_conversation_continues(page, own_server):
+def test_a_prompt_streams_into_the_page_and_the_conversation_continues(page, server):
     set_field(page, "max-tokens", 40)
     set_field(page, "temperature", 0)
     ask(page, "Name three colors.")
@@ -90,7 +92,7 @@ def test_a_prompt_streams_into_the_page_and_the_conversation_continues(page, own
         page.save_screenshot(screenshot)
 
 
-def test_stop_cancels_the_answer_and_the_server_frees_it(page, own_server):
+def test_stop_cancels_the_answer_and_the_server_frees_it(page, server):
     set_field(page, "max-tokens", 2000)
     ask(page, "Write a very long story about a lighthouse keeper and the sea.")
     WebDriverWait(page, 60, poll_frequency=0.05).until(lambda d: live_text(d))
@@ -98,12 +100,12 @@ def test_stop_cancels_the_answer_and_the_server_frees_it(page, own_server):
     WebDriverWait(page, 60).until(idle)
     assert answers(page)[-1].endswith("[stopped]")
     deadline = time.monotonic() + 10
-    while httpx.get(f"{own_server}/health").json()["num_running"]:
+    while httpx.get(f"{server}/health").json()["num_running"]:
         assert time.monotonic() < deadline, "the stopped request is still running"
         time.sleep(0.1)
 
 
-def test_a_reload_mid_answer_resumes_the_stream(page, own_server):
+def test_a_reload_mid_answer_resumes_the_stream(page, server):
     set_field(page, "max-tokens", 120)
     set_field(page, "temperature", 0)
     ask(page, "Write a story about a dragon who learns to cook.")
@@ -116,24 +118,18 @@ def test_a_reload_mid_answer_resumes_the_stream(page, own_server):
     assert final.startswith(before) and len(final) > len(before)
     # Exactly what the server generated, no more and no less.
     response_id = page.execute_script("return JSON.parse(sessionStorage.getItem('sluice-playground')).previous")
-    assert final == httpx.get(f"{own_server}/v1/responses/{response_id}").json()["output"][0]["content"][0]["text"]
+    assert final == httpx.get(f"{server}/v1/responses/{response_id}").json()["output"][0]["content"][0]["text"]
 
 
-@pytest.fixture(scope="module")
-def keyed_server(default_model_path):
-    from tests.e2e.conftest import _serve
-
-    yield from _serve("--api-key", "playground-key")
-
-
-def test_the_page_asks_for_an_api_key_when_the_server_needs_one(browser, keyed_server):
+def test_the_page_asks_for_an_api_key_when_the_server_needs_one(browser, door):
+    keyed_server, _, _ = door
     browser.get(keyed_server + "/")
     browser.execute_script("sessionStorage.clear(); localStorage.clear()")
     browser.get(keyed_server + "/")
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "api-key").is_displayed())
     assert browser.find_element(By.ID, "model").text == "API key needed"
     key = browser.find_element(By.ID, "api-key")
-    key.send_keys("playground-key")
+    key.send_keys(KEY)
     # Leaving the field commits the key; the page then reads the model list with it.
     browser.find_element(By.ID, "prompt").click()
     WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text not in ("", "…", "API key needed"))

@@ -26,13 +26,13 @@ CLOSING_EVENTS = [
 
 
 @pytest.fixture(scope="module")
-def client(own_server):
-    return openai.OpenAI(base_url=f"{own_server}/v1", api_key="unused")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
 
 
 @pytest.fixture(scope="module")
-def model(own_server):
-    return httpx.get(f"{own_server}/v1/models").json()["data"][0]["id"]
+def model(server):
+    return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
 
 
 def test_create_returns_a_completed_response(client, model):
@@ -91,9 +91,9 @@ def test_a_chain_of_five_turns_equals_the_whole_history_sent_as_chat(client, mod
     assert all(c > 0 for c in cached[1:])
 
 
-def test_deleted_or_unknown_responses_get_404(client, model, own_server):
+def test_deleted_or_unknown_responses_get_404(client, model, server):
     response = client.responses.create(model=model, input="Hi.", max_output_tokens=8)
-    pinned = httpx.get(f"{own_server}/health").json()["kv_blocks_pinned"]
+    pinned = httpx.get(f"{server}/health").json()["kv_blocks_pinned"]
     assert pinned > 0
     deleted = client.responses.delete(response.id)
     assert deleted is None or getattr(deleted, "deleted", True)
@@ -105,39 +105,39 @@ def test_deleted_or_unknown_responses_get_404(client, model, own_server):
         with pytest.raises(openai.NotFoundError) as error:
             call()
         assert error.value.body["code"] == "response_not_found"
-    assert httpx.get(f"{own_server}/health").json()["kv_blocks_pinned"] < pinned
+    assert httpx.get(f"{server}/health").json()["kv_blocks_pinned"] < pinned
 
 
-def test_starting_after_resumes_where_a_dropped_stream_left_off(own_server):
+def test_starting_after_resumes_where_a_dropped_stream_left_off(server):
     body = {"input": "Write a long story about a dragon.", "max_output_tokens": 60, "temperature": 0, "stream": True}
     seen = []
-    with httpx.stream("POST", f"{own_server}/v1/responses", json=body, timeout=120) as stream:
+    with httpx.stream("POST", f"{server}/v1/responses", json=body, timeout=120) as stream:
         for event in iter_events(stream.iter_lines()):
             seen.append(event.json())
             if len(seen) == 8:
                 break
     response_id = seen[0]["response"]["id"]
-    url = f"{own_server}/v1/responses/{response_id}?stream=true&starting_after={seen[-1]['sequence_number']}"
+    url = f"{server}/v1/responses/{response_id}?stream=true&starting_after={seen[-1]['sequence_number']}"
     with httpx.stream("GET", url, timeout=120) as stream:
         rest = [e.json() for e in iter_events(stream.iter_lines())]
-    with httpx.stream("GET", f"{own_server}/v1/responses/{response_id}?stream=true", timeout=120) as stream:
+    with httpx.stream("GET", f"{server}/v1/responses/{response_id}?stream=true", timeout=120) as stream:
         whole = [e.json() for e in iter_events(stream.iter_lines())]
     assert seen + rest == whole
     assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
     assert whole[-1]["type"] in ("response.completed", "response.incomplete")
 
 
-def test_cancel_stops_a_response_and_frees_its_work(own_server):
+def test_cancel_stops_a_response_and_frees_its_work(server):
     body = {"input": "Count to one thousand.", "max_output_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{own_server}/v1/responses", json=body, timeout=120) as stream:
+    with httpx.stream("POST", f"{server}/v1/responses", json=body, timeout=120) as stream:
         events = iter_events(stream.iter_lines())
         created = next(events).json()
         response_id = created["response"]["id"]
-        cancelled = httpx.post(f"{own_server}/v1/responses/{response_id}/cancel", timeout=60).json()
+        cancelled = httpx.post(f"{server}/v1/responses/{response_id}/cancel", timeout=60).json()
         rest = [e.json() for e in events]
     assert cancelled["status"] == "cancelled"
     assert rest[-1]["response"]["status"] == "cancelled"
-    health = httpx.get(f"{own_server}/health").json()
+    health = httpx.get(f"{server}/health").json()
     assert health["num_running"] == 0
 
 

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from bench.speculative import EXTRACTIVE
+from tests.e2e.conftest import serve
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +28,8 @@ _reference: list[str] = []
 
 
 @pytest.fixture(scope="module", params=list(PROPOSERS))
-def speculative_server(request):
-    from tests.e2e.conftest import _serve
-
-    yield from _serve("--speculative-max-batch-size", "8", *PROPOSERS[request.param])
+def speculative_server(request, default_model_path):
+    yield from serve("--speculative-max-batch-size", "8", *PROPOSERS[request.param])
 
 
 async def complete(client, base, prompt, speculative):

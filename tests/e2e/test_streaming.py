@@ -117,30 +117,26 @@ PROMPTS = [
 ]
 
 
-async def test_sixteen_concurrent_streams_match_each_request_alone(own_server, model_name):
-    server = own_server
+async def test_sixteen_concurrent_streams_match_each_request_alone(server, model_name, health):
+    before = health()["kv_blocks_used"]
     async with httpx.AsyncClient(timeout=300) as client:
         alone = [await _stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS]
         together = await asyncio.gather(*[_stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS])
     assert together == alone
     assert all(text for text, _ in alone)
-    assert httpx.get(f"{server}/health").json()["kv_blocks_used"] == 0
+    assert health()["kv_blocks_used"] == before
 
 
 async def test_sixteen_concurrent_streams_all_complete_on_the_default_dtype(server, model_name, health):
+    before = health()["kv_blocks_used"]
     async with httpx.AsyncClient(timeout=300) as client:
         results = await asyncio.gather(*[_stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS])
     assert all(text and reason in ("stop", "length") for text, reason in results)
-    assert health()["kv_blocks_used"] == 0
+    assert health()["kv_blocks_used"] == before
 
 
-async def test_disconnect_frees_kv_blocks_and_spares_other_streams(own_server, model_name):
+async def test_disconnect_frees_kv_blocks_and_spares_other_streams(server, model_name, health):
     # Batch-invariant, so the surviving stream's text cannot change with the batch it shares.
-    server = own_server
-
-    def health() -> dict:
-        return httpx.get(f"{server}/health", timeout=5).json()
-
     baseline = health()["kv_blocks_used"]
     async with httpx.AsyncClient(timeout=120) as client:
         expected = await _stream_chat(client, server, chat_body(model_name, "Describe the moon.", 32))

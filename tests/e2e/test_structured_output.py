@@ -67,13 +67,13 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(own_server):
-    return openai.OpenAI(base_url=f"{own_server}/v1", api_key="unused")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
 
 
 @pytest.fixture(scope="module")
-def model(own_server):
-    return httpx.get(f"{own_server}/v1/models").json()["data"][0]["id"]
+def model(server):
+    return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
 
 
 def ask(content):
@@ -96,7 +96,7 @@ def test_sdk_parse_returns_pydantic_objects_streamed_and_not(client, model):
     assert final.choices[0].message.content == choice.message.content
 
 
-def test_json_object_and_completions_constraints(client, model, own_server):
+def test_json_object_and_completions_constraints(client, model, server):
     finished = 0
     for seed in range(4):
         reply = client.chat.completions.create(
@@ -120,7 +120,7 @@ def test_json_object_and_completions_constraints(client, model, own_server):
         ({"structured_outputs": {"grammar": 'start: "A" | "B" | "C"'}}, lambda text: text in "ABC"),
     ]:
         response = httpx.post(
-            f"{own_server}/v1/completions", json={"prompt": "The answer is", "max_tokens": 20, **body}, timeout=60
+            f"{server}/v1/completions", json={"prompt": "The answer is", "max_tokens": 20, **body}, timeout=60
         ).json()
         assert response["choices"][0]["finish_reason"] == "stop"
         assert check(response["choices"][0]["text"]), response
@@ -168,8 +168,8 @@ def _schemas():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(schema=_schemas(), temperature=st.sampled_from([0.0, 1.0]))
-def test_random_schemas_always_give_valid_json_streamed_and_not(own_server, model, schema, temperature):
-    client = openai.OpenAI(base_url=f"{own_server}/v1", api_key="unused")
+def test_random_schemas_always_give_valid_json_streamed_and_not(server, model, schema, temperature):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     response_format = {"type": "json_schema", "json_schema": {"name": "random", "schema": schema, "strict": True}}
     common = dict(model=model, messages=ask("Fill in the data."), response_format=response_format, max_tokens=400)
     reply = client.chat.completions.create(**common, temperature=temperature, seed=1)
@@ -290,19 +290,19 @@ def test_n_choices_each_validate_and_repeat_with_a_seed(client, model):
         ({"tools": [WEATHER], "guided_regex": "a+"}, "guided_regex"),
     ],
 )
-def test_bad_constraints_get_400_naming_the_parameter(own_server, body, param):
-    response = httpx.post(f"{own_server}/v1/chat/completions", json={"messages": ask("hi"), **body}, timeout=30)
+def test_bad_constraints_get_400_naming_the_parameter(server, body, param):
+    response = httpx.post(f"{server}/v1/chat/completions", json={"messages": ask("hi"), **body}, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
-    assert httpx.get(f"{own_server}/health").status_code == 200
+    assert httpx.get(f"{server}/health").status_code == 200
 
 
-def test_a_grammar_the_vocabulary_cannot_write_is_the_client_s_error(own_server):
+def test_a_grammar_the_vocabulary_cannot_write_is_the_client_s_error(server):
     """UTF-8 writes U+AE0E6 starting with the byte F2, and no token of the default model's vocabulary
     holds that byte: no output can match the regex (found by the fuzz test, as a 500). It is a 400,
     streamed as an error event of that type before [DONE], and the server serves on."""
     body = {"messages": ask("hi"), "guided_regex": "\U000ae0e6", "max_tokens": 4}
-    url = f"{own_server}/v1/chat/completions"
+    url = f"{server}/v1/chat/completions"
     response = httpx.post(url, json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -316,5 +316,5 @@ def test_a_grammar_the_vocabulary_cannot_write_is_the_client_s_error(own_server)
     for regex in ["a\U00080000", "x\x13y"]:
         response = httpx.post(url, json={**body, "guided_regex": regex}, timeout=30)
         assert response.status_code == 400, response.text
-    assert httpx.get(f"{own_server}/health").status_code == 200
+    assert httpx.get(f"{server}/health").status_code == 200
     assert httpx.post(url, json={"messages": ask("hi"), "max_tokens": 2}, timeout=30).status_code == 200
