@@ -3,14 +3,14 @@ import torch
 
 from engine.model.causal_lm import UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
-from tests.unit.helpers import tiny_hf_model
+from tests.unit.helpers import CACHE_DIR, tiny_hf_model
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_any_local_hf_folder_loads(tmp_path, default_tokenizer, model_type):
     tiny_hf_model(model_type).save_pretrained(tmp_path)
     default_tokenizer.save_pretrained(tmp_path)
-    loaded = load_model(str(tmp_path), tmp_path / "cache", device="cpu", dtype="float32")
+    loaded = load_model(str(tmp_path), CACHE_DIR, device="cpu", dtype="float32")
     assert loaded.name == tmp_path.name
     assert loaded.model.num_layers == 2 and loaded.model.dtype == torch.float32
     assert default_tokenizer.eos_token_id in loaded.eos_token_ids
@@ -40,11 +40,11 @@ def test_explicit_dtype_wins_and_cuda_defaults_to_bf16():
 def test_batch_invariant_loading_moves_every_linear_layer_onto_the_kernels(tmp_path, default_tokenizer):
     tiny_hf_model().save_pretrained(tmp_path)
     default_tokenizer.save_pretrained(tmp_path)
-    loaded = load_model(str(tmp_path), tmp_path / "cache", device="cpu", dtype="auto", batch_invariant=True)
+    loaded = load_model(str(tmp_path), CACHE_DIR, device="cpu", dtype="auto", batch_invariant=True)
     assert loaded.model.kernels is not None and loaded.model.dtype == torch.float32
     # Two layers of q, k, v, o, gate, up, down, and the head.
     assert len(loaded.model._packed) == 2 * 7 + 1
-    bf16 = load_model(str(tmp_path), tmp_path / "cache", device="cpu", dtype="bfloat16", batch_invariant=True)
+    bf16 = load_model(str(tmp_path), CACHE_DIR, device="cpu", dtype="bfloat16", batch_invariant=True)
     assert bf16.model.kernels is None
 
 

@@ -9,7 +9,7 @@ from app.settings import Settings
 from app.state import build_state
 from engine.model.host_memory import COLLECTOR_THRESHOLDS
 from engine.types import SamplingParams
-from tests.unit.helpers import collect, tiny_hf_model, tokens_of
+from tests.unit.helpers import CACHE_DIR, collect, tiny_hf_model, tokens_of
 
 
 @pytest.fixture
@@ -20,13 +20,13 @@ def folder(tmp_path, default_tokenizer):
     return path
 
 
-def settings(folder, tmp_path, **extra) -> Settings:
-    return Settings(model=str(folder), cache_dir=tmp_path / "cache", dtype="float32", kv_cache_gib=0.01, **extra)
+def settings(folder, **extra) -> Settings:
+    return Settings(model=str(folder), cache_dir=CACHE_DIR, dtype="float32", kv_cache_gib=0.01, **extra)
 
 
-async def test_a_draft_folder_serves_with_output_unchanged(folder, tmp_path):
-    plain = build_state(settings(folder, tmp_path))
-    drafted = build_state(settings(folder, tmp_path, speculative="draft", draft_model=str(folder)))
+async def test_a_draft_folder_serves_with_output_unchanged(folder):
+    plain = build_state(settings(folder))
+    drafted = build_state(settings(folder, speculative="draft", draft_model=str(folder)))
     for state in (plain, drafted):
         state.engine.start()
     try:
@@ -42,13 +42,13 @@ async def test_a_draft_folder_serves_with_output_unchanged(folder, tmp_path):
         drafted.engine.shutdown()
 
 
-def test_self_draft_takes_the_first_layers(folder, tmp_path):
-    state = build_state(settings(folder, tmp_path, speculative="draft", draft_model="self:1"))
+def test_self_draft_takes_the_first_layers(folder):
+    state = build_state(settings(folder, speculative="draft", draft_model="self:1"))
     assert state.engine.speculation.proposer.runner.model.num_layers == 1
     with pytest.raises(ValueError, match="self-draft"):
-        build_state(settings(folder, tmp_path, speculative="draft", draft_model="self:2"))
+        build_state(settings(folder, speculative="draft", draft_model="self:2"))
     with pytest.raises(ValueError, match="--draft-model"):
-        build_state(settings(folder, tmp_path, speculative="draft"))
+        build_state(settings(folder, speculative="draft"))
 
 
 def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path, default_tokenizer):
@@ -58,12 +58,12 @@ def test_a_draft_with_another_vocabulary_is_refused(folder, tmp_path, default_to
     ).save_pretrained(other)
     default_tokenizer.save_pretrained(other)
     with pytest.raises(ValueError, match="tokenizer"):
-        build_state(settings(folder, tmp_path, speculative="draft", draft_model=str(other)))
+        build_state(settings(folder, speculative="draft", draft_model=str(other)))
 
 
-async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder, tmp_path):
+async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder):
     thresholds = gc.get_threshold()
-    state = await _start_engine_thread(settings(folder, tmp_path))
+    state = await _start_engine_thread(settings(folder))
     try:
         assert gc.get_freeze_count() > 0
         assert gc.get_threshold() == COLLECTOR_THRESHOLDS
@@ -77,14 +77,12 @@ async def test_start_up_takes_what_it_built_out_of_the_collectors_passes(folder,
         gc.set_threshold(*thresholds)
 
 
-def test_a_plain_cpu_start_takes_the_cpu_defaults_and_a_small_cache_is_refused(folder, tmp_path):
-    state = build_state(Settings(model=str(folder), cache_dir=tmp_path / "cache", dtype="float32"))
+def test_a_plain_cpu_start_takes_the_cpu_defaults_and_a_small_cache_is_refused(folder):
+    state = build_state(Settings(model=str(folder), cache_dir=CACHE_DIR, dtype="float32"))
     config = state.engine.config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 256)
     assert state.limits.max_num_seqs == 64
     # 2 GiB of the tiny model's K/V (2 layers, 2 KV heads of 16 dimensions, float32) in blocks of 16.
     assert config.num_kv_blocks == 2 * 2**30 // (2 * 2 * 2 * 16 * 4 * 16)
     with pytest.raises(ValueError, match="holds 16 tokens, fewer than max_model_len"):
-        build_state(
-            Settings(model=str(folder), cache_dir=tmp_path / "cache", dtype="float32", kv_cache_gib=8192 / 2**30)
-        )
+        build_state(Settings(model=str(folder), cache_dir=CACHE_DIR, dtype="float32", kv_cache_gib=8192 / 2**30))
