@@ -102,5 +102,5 @@ async def test_constrained_greedy_output_is_identical_with_and_without_speculati
     assert [r["choices"][0]["message"]["content"] for r in together] == contents
     assert sum(r["timings"]["draft_n"] for r in together) > 0
     for response in without:
-        if response["choices"][0]["finish_reason"] == "stop":
-            assert set(json.loads(response["choices"][0]["message"]["content"])) == set(PERSON["properties"])
+        assert response["choices"][0]["finish_reason"] == "stop", response
+        assert set(json.loads(response["choices"][0]["message"]["content"])) == set(PERSON["properties"])

@@ -123,15 +123,7 @@ async def test_sixteen_concurrent_streams_match_each_request_alone(server, model
         alone = [await _stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS]
         together = await asyncio.gather(*[_stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS])
     assert together == alone
-    assert all(text for text, _ in alone)
-    assert health()["kv_blocks_used"] == before
-
-
-async def test_sixteen_concurrent_streams_all_complete_on_the_default_dtype(server, model_name, health):
-    before = health()["kv_blocks_used"]
-    async with httpx.AsyncClient(timeout=300) as client:
-        results = await asyncio.gather(*[_stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS])
-    assert all(text and reason in ("stop", "length") for text, reason in results)
+    assert all(text and reason in ("stop", "length") for text, reason in alone)
     assert health()["kv_blocks_used"] == before
 
 
