@@ -60,7 +60,7 @@ class SharedServers:
         for name in [name for name in self.procs if not any(name in item.fixturenames for item in remaining)]:
             server_process.stop(self.procs.pop(name))
 
-    def wait_until_idle(self, names: list[str], timeout: float = 60) -> None:
+    def wait_until_idle(self, names: list[str], timeout: float = 240) -> None:
         """Until the named running servers have no request running, waiting or paused: what a test
         that ended early (a client gone, a fault) left still winding down."""
         for name in names:
