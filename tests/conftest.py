@@ -36,3 +36,14 @@ def default_tokenizer(request):
 
     folder = os.environ.get("SLUICE_TOKENIZER") or request.getfixturevalue("default_model_path")
     return AutoTokenizer.from_pretrained(folder)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without a GPU the Triton kernels' tests run in Triton's interpreter, minutes of CPU: CI (CI=true)
+    runs them, as does any run that selects by marker (`-m interpreter`); elsewhere they skip and say so."""
+    if torch.cuda.is_available() or os.environ.get("CI") == "true" or config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason="Triton's interpreter takes minutes on a CPU: run with CI=true or -m interpreter")
+    for item in items:
+        if item.get_closest_marker("interpreter"):
+            item.add_marker(skip)

@@ -8,6 +8,7 @@ import torch
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernels run in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU's attention kernels are written in Triton")
+pytestmark = pytest.mark.interpreter
 
 from engine.config import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402

@@ -12,6 +12,7 @@ import torch
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernels run in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU's batch-invariant kernels are written in Triton")
+pytestmark = pytest.mark.interpreter
 
 from engine.config import SpeculativeConfig  # noqa: E402
 from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm, linear_config  # noqa: E402

@@ -13,6 +13,7 @@ import torch
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernel runs in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU's sampling kernel is written in Triton")
+pytestmark = pytest.mark.interpreter
 
 from bench.sampler import SETTINGS  # noqa: E402
 from engine.kernels import gpu_sampling  # noqa: E402

@@ -14,6 +14,7 @@ import torch
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the decode kernel runs in Triton's interpreter.
 pytest.importorskip("triton", reason="graphs replay the Triton paged decode kernel")
+pytestmark = pytest.mark.interpreter
 
 from engine.channel import StreamChannel  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernel runs in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU decode kernel is written in Triton")
+pytestmark = pytest.mark.interpreter
 
 from engine.kernels.paged_decode import paged_decode_attention, supports  # noqa: E402
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 # Without CUDA, tests/conftest.py has set TRITON_INTERPRET: the kernel runs in Triton's interpreter.
 pytest.importorskip("triton", reason="the GPU prefill kernel is written in Triton")
+pytestmark = pytest.mark.interpreter
 
 from engine.kernels.paged_prefill import paged_prefill_attention, queries_per_tile  # noqa: E402
 from tests.unit.test_paged_decode import DEVICE, _layout  # noqa: E402
