@@ -2,8 +2,8 @@
 
 Each is started by the first test that asks for it and stopped after the last one that does (in
 collection order), so the suite starts each configuration once and holds few servers at a time
-(one on the default model is about 3.7 GB). Tests share them: every test starts from a server with
-nothing running (`server` waits for that) and checks what its requests change, not totals.
+(one on the default model is about 3.7 GB). Tests share them: every test starts once its servers have
+nothing running (`_shared_servers_idle` waits for that) and checks what its requests change, not totals.
 """
 
 from __future__ import annotations
