@@ -6,8 +6,9 @@ from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
 from app.operations.admission import admit, require_api_key
+from app.serving.payloads import Completion
 from app.serving.prompting import text_prompt_ids
-from app.serving.protocol import Completion, CompletionRequest
+from app.serving.protocol import CompletionRequest
 from app.serving.sse import event_stream
 from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state

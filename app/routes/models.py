@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from app.operations.admission import require_api_key
-from app.serving.protocol import ModelCard, ModelList
+from app.serving.payloads import ModelCard, ModelList
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])

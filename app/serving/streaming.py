@@ -17,7 +17,7 @@ from typing import Literal
 
 from app.errors import OpenAIError, error_body
 from app.operations.accounting import Accounting
-from app.serving.protocol import (
+from app.serving.payloads import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -29,15 +29,14 @@ from app.serving.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    FunctionCall,
     FunctionCallDelta,
     PromptTokensDetails,
     Timings,
-    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from app.serving.protocol import FunctionCall, ToolCall
 from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser
 from engine import types as engine_types
 from engine.channel import StreamChannel
