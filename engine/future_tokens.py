@@ -28,7 +28,7 @@ class InFlightStep:
 
     plan: StepPlan
     # The requests that sample, with the index of each one's placeholder in its token_ids.
-    samplers: list[Request]
+    sampling_requests: list[Request]
     positions: list[int]
     # The tokens, copied to the host as the device finishes them; `ready` marks the copy done (GPU).
     host_tokens: torch.Tensor

@@ -196,13 +196,13 @@ class Scheduler:
             request.num_computed_tokens += num_new
 
     def complete(
-        self, plan: StepPlan, samplers: list[Request], positions: list[int], token_ids: list[int]
+        self, plan: StepPlan, sampling_requests: list[Request], positions: list[int], token_ids: list[int]
     ) -> list[tuple[Request, list[int]]]:
         """postprocess() for a step launched earlier: put each sampler's token in place of its
         placeholder at `positions`, register the blocks and latch finishes. Requests that finished
         meanwhile (cancelled, or a stop the step before found) are skipped, their tokens dropped."""
         kept: list[tuple[Request, list[int]]] = []
-        for request, position, token_id in zip(samplers, positions, token_ids):
+        for request, position, token_id in zip(sampling_requests, positions, token_ids):
             if request.is_finished:
                 continue
             request.token_ids[position] = token_id

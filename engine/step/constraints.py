@@ -29,12 +29,12 @@ def start_masks(masks: MaskComputer, plan: StepPlan) -> Future[StepMasks] | None
 
 
 def advance_constraints(
-    samplers: list[Request], outputs: dict[Request, tuple[list[int], list[TokenLogprob]]], jump_forward: bool
+    sampling_requests: list[Request], outputs: dict[Request, tuple[list[int], list[TokenLogprob]]], jump_forward: bool
 ) -> dict[Request, int]:
     """Move each constrained request's grammar past its new tokens, then (with `jump_forward`) append the
     tokens the grammar forces next. Returns how many were appended, by request."""
     forced: dict[Request, int] = {}
-    for request in samplers:
+    for request in sampling_requests:
         if request.constraint is None:
             continue
         token_ids = outputs[request][0]

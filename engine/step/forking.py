@@ -46,7 +46,9 @@ class Choices:
             constraint=self.grammars.constraint(params.grammar) if params.grammar and index == 0 else None,
         )
 
-    def fork(self, plan: StepPlan, samplers: list[Request], masks: StepMasks | None) -> tuple[list[Request], list[int]]:
+    def fork(
+        self, plan: StepPlan, sampling_requests: list[Request], masks: StepMasks | None
+    ) -> tuple[list[Request], list[int]]:
         """Fork the other n-1 choices off each request whose prompt just finished prefilling.
 
         They share its full KV blocks, get copies of its last partial one and sample
@@ -55,11 +57,11 @@ class Choices:
         first logits row it reads.
         """
         row_starts, row = [], 0
-        for request in samplers:
+        for request in sampling_requests:
             row_starts.append(row)
             row += 1 + len(plan.proposals.get(request, ()))
         num_new = dict(plan.scheduled)
-        for parent, parent_row in list(zip(samplers, row_starts)):
+        for parent, parent_row in list(zip(sampling_requests, row_starts)):
             if not parent.num_pending_forks:
                 continue
             parent.num_pending_forks = 0
@@ -78,7 +80,7 @@ class Choices:
                     self.runner.copy_blocks(copies)
                     child.num_computed_tokens = parent.num_computed_tokens
                     plan.scheduled.append((child, num_new[parent]))
-                    samplers.append(child)
+                    sampling_requests.append(child)
                     row_starts.append(parent_row)
                 self.scheduler.add_fork(parent, child)
-        return samplers, row_starts
+        return sampling_requests, row_starts

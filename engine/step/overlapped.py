@@ -54,15 +54,15 @@ class OverlappedSteps:
         """Run a step of plain requests without waiting for its tokens: each sampler gets a placeholder,
         and the step launched before it (if any) is completed once this one is on its way: its kept tokens."""
         future = self.future
-        samplers, head = self.forward(plan, future.resolve if self.in_flight is not None else None)
-        tokens = self.sampler.tokens(samplers, head.logits, block_max=head.block_max)
+        sampling_requests, head = self.forward(plan, future.resolve if self.in_flight is not None else None)
+        tokens = self.sampler.tokens(sampling_requests, head.logits, block_max=head.block_max)
         self.scheduler.launched(plan)
-        positions = [request.num_tokens for request in samplers]
-        for request, placeholder in zip(samplers, future.publish(tokens)):
+        positions = [request.num_tokens for request in sampling_requests]
+        for request, placeholder in zip(sampling_requests, future.publish(tokens)):
             request.token_ids.append(placeholder)
             request.num_pending += 1
         host_tokens, ready = future.to_host(tokens)
-        previous, self.in_flight = self.in_flight, InFlightStep(plan, samplers, positions, host_tokens, ready)
+        previous, self.in_flight = self.in_flight, InFlightStep(plan, sampling_requests, positions, host_tokens, ready)
         return self._complete(previous) if previous is not None else None
 
     def complete(self) -> list[tuple[Request, list[int]]]:
@@ -71,4 +71,4 @@ class OverlappedSteps:
         return self._complete(step)
 
     def _complete(self, step: InFlightStep) -> list[tuple[Request, list[int]]]:
-        return self.scheduler.complete(step.plan, step.samplers, step.positions, self.future.read(step))
+        return self.scheduler.complete(step.plan, step.sampling_requests, step.positions, self.future.read(step))

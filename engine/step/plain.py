@@ -48,13 +48,13 @@ class PlainStep:
         """Each sampling request with the tokens it kept, and every sampler's tokens and logprobs."""
         pending_masks = start_masks(self.masks, plan)
         try:
-            samplers, head = self.forward(plan, None)
+            sampling_requests, head = self.forward(plan, None)
         finally:
             # Never leave the worker holding matchers this thread is about to advance.
             masks = pending_masks.result() if pending_masks is not None else None
-        samplers, row_starts = self.choices.fork(plan, samplers, masks)
-        outputs = self._sample(plan, proposals, samplers, row_starts, head, masks)
-        forced = advance_constraints(samplers, outputs, self.jump_forward)
+        sampling_requests, row_starts = self.choices.fork(plan, sampling_requests, masks)
+        outputs = self._sample(plan, proposals, sampling_requests, row_starts, head, masks)
+        forced = advance_constraints(sampling_requests, outputs, self.jump_forward)
         kept = self.scheduler.postprocess(plan, {r: tokens for r, (tokens, _) in outputs.items()}, forced)
         return kept, outputs
 
@@ -62,7 +62,7 @@ class PlainStep:
         self,
         plan: StepPlan,
         proposals: dict[Request, Proposal],
-        samplers: list[Request],
+        sampling_requests: list[Request],
         row_starts: list[int],
         head: HeadOutput,
         masks: StepMasks | None,
@@ -70,9 +70,9 @@ class PlainStep:
         """Tokens (and logprobs) for every sampling request: one sampled, or verified proposals."""
         outputs: Outputs = {}
         logits, block_max = head.logits, head.block_max
-        plain = [i for i, r in enumerate(samplers) if r not in plan.proposals]
+        plain = [i for i, r in enumerate(sampling_requests) if r not in plan.proposals]
         if plain:
-            requests = [samplers[i] for i in plain]
+            requests = [sampling_requests[i] for i in plain]
             starts = [row_starts[i] for i in plain]
             # Rows are already in order when no request verifies proposals: no gather copy.
             if starts != list(range(logits.shape[0])):
@@ -82,9 +82,9 @@ class PlainStep:
             sampled = self.sampler.sample(requests, logits, mask, block_max)
             for request, token_id, logprob in zip(requests, sampled.token_ids, sampled.logprobs):
                 outputs[request] = ([token_id], [logprob] if logprob else [])
-        verifying = [i for i, r in enumerate(samplers) if r in plan.proposals]
+        verifying = [i for i, r in enumerate(sampling_requests) if r in plan.proposals]
         if verifying:
-            requests = [samplers[i] for i in verifying]
+            requests = [sampling_requests[i] for i in verifying]
             starts = [row_starts[i] for i in verifying]
             outputs.update(self.speculation.verify(plan, proposals, requests, starts, head.logits, masks))
         return outputs
