@@ -174,6 +174,8 @@ async def test_fault_in_a_step_ends_live_streams_with_an_error_and_done(server, 
             assert events[-1].data == "[DONE]"
             error = events[-2].json()["error"]
             assert "injected fault" in error["message"] and error["type"] == "server_error"
-        assert health() == {**health(), "status": "ok", "kv_blocks_used": 0, "num_running": 0}
+        # Every block still in use is pinned by a stored response of an earlier test on this shared server.
+        after = health()
+        assert after == {**after, "status": "ok", "kv_blocks_used": after["kv_blocks_pinned"], "num_running": 0}
         text, reason = await _stream_chat(client, server, chat_body(model_name, "Hi", 4))
         assert reason == "length" and text
