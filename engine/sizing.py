@@ -62,7 +62,7 @@ def graph_pool_bytes(model: PagedCausalLM, max_num_seqs: int) -> int:
 def _layer_bytes_per_token(model: PagedCausalLM) -> int:
     """One token's hidden states, q/k/v and the MLP's three intermediates in one layer."""
     hidden = model.embed_tokens.embedding_dim
-    intermediate = model.layers[0].mlp.gate_proj.out_features
+    intermediate = model.family.intermediate_size
     qkv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     return (4 * hidden + qkv + 3 * intermediate) * torch.finfo(model.dtype).bits // 8
 

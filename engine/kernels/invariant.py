@@ -37,8 +37,9 @@ BLOCK_BYTES = {WeightForm.Q8_0: 34, WeightForm.Q4_1: 20}
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A bias-free linear layer's weight in one of the WeightForms, laid out in 16-column panels for
-    sl_linear. `scalar` runs the kernel's portable variant, whose bits are the vector one's."""
+    """A linear layer's weight in one of the WeightForms, laid out in 16-column panels for sl_linear, and
+    its float32 bias if it has one (added to each row on its own, so rows stay independent). `scalar` runs
+    the kernel's portable variant, whose bits are the vector one's."""
 
     library: ctypes.CDLL
     panels: torch.Tensor
@@ -46,6 +47,7 @@ class PackedLinear:
     in_features: int
     form: WeightForm = WeightForm.F32
     scalar: bool = False
+    bias: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, library: ctypes.CDLL, weight: torch.Tensor) -> PackedLinear:
@@ -88,7 +90,9 @@ class PackedLinear:
     def with_block_max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output, and the largest value of each BLOCK-column block of each of its rows
         [..., ceil(out_features / BLOCK)], found while the kernel still holds them in cache (for an
-        output head: the sampler then never reads a whole row of logits for its max)."""
+        output head: the sampler then never reads a whole row of logits for its max). Bias-free layers only."""
+        if self.bias is not None:
+            raise ValueError("the block maxima are of the product before the bias")
         maxima = torch.empty(*x.shape[:-1], -(-self.out_features // BLOCK), dtype=torch.float32)
         return self._run(x, maxima), maxima
 
@@ -106,6 +110,8 @@ class PackedLinear:
             out.data_ptr(),
             None if maxima is None else maxima.data_ptr(),
         )
+        if self.bias is not None:
+            out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
 

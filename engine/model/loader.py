@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -209,7 +210,7 @@ def use_invariant_kernels(
     shared = {hf_model.get_input_embeddings().weight.data_ptr()}
     packed = {}
     for module in hf_model.modules():
-        if isinstance(module, torch.nn.Linear) and module.bias is None:
+        if isinstance(module, torch.nn.Linear):
             packed[module] = _pack_as_shipped(library, module, blocks.get(module))
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
@@ -231,9 +232,11 @@ def _pack_as_shipped(
         candidate = PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)
     else:
         candidate = PackedLinear.pack(library, weight.bfloat16())
-    if torch.equal(candidate.unpacked().view(torch.int32), weight.float().view(torch.int32)):
+    if not torch.equal(candidate.unpacked().view(torch.int32), weight.float().view(torch.int32)):
+        candidate = PackedLinear.pack(library, weight)
+    if module.bias is None:
         return candidate
-    return PackedLinear.pack(library, weight)
+    return dataclasses.replace(candidate, bias=module.bias.detach().float().clone())
 
 
 def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -> None:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.channel import StreamChannel
 from engine.config import EngineConfig
@@ -31,8 +31,18 @@ SAMPLING_KINDS = [
 ]
 
 
+# What a family's tiny random configuration sets beyond the common shape (engine/model/families/).
+FAMILY_CONFIGS: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+}
+
+
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB):
-    """A 2-layer random model whose logits are peaked enough for greedy decoding to be stable.
+    """A 2-layer random model of the family `model_type` whose logits are peaked enough for greedy decoding
+    to be stable.
 
     `repetitive`: tied embeddings and damped layers, so it mostly repeats its last token and
     now and then switches; speculative proposals are then often accepted and often rejected.
@@ -44,21 +54,32 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = F
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=1024,
         initializer_range=0.2,
         tie_word_embeddings=repetitive,
     )
     torch.manual_seed(seed)
-    if model_type == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common)).eval()
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common)).eval()
+    config = AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[model_type]})
+    model = AutoModelForCausalLM.from_config(config).eval()
     if repetitive:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(0.3)
                 layer.mlp.down_proj.weight.mul_(0.3)
     return model
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face's own greedy decoding of `prompt`: the reference the paged forward must reproduce."""
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def tiny_loaded(

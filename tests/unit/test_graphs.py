@@ -24,6 +24,7 @@ from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
 from engine.types import FinishReason, SamplingParams  # noqa: E402
 from tests.unit.helpers import (  # noqa: E402
     collect,
+    hf_greedy,
     make_request,
     tiny_engine,
     tiny_hf_model,
@@ -31,7 +32,6 @@ from tests.unit.helpers import (  # noqa: E402
     tokens_of,
     wait_for,
 )
-from tests.unit.test_model import hf_greedy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

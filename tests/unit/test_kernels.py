@@ -1,17 +1,13 @@
 """The batch-invariant kernels: close to torch's results, and bit for bit the same for a row or a
 query whatever else is computed with it."""
 
-import asyncio
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.invariant import KernelAttentionMetadata, PackedLinear, invariant_paged_attention
 from engine.kernels.native import kernels_supported, load_library
-from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded
 
 
 @pytest.fixture(scope="module")
@@ -76,38 +72,3 @@ def test_attention_matches_sdpa_and_a_query_reads_the_same_alone_or_in_a_chunk(l
         torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
         alone = _paged(library, q[t : t + 1], cache, [tables[rows[t]]], [0], [lens[t]])
         assert torch.equal(alone[0], out[t]), t
-
-
-async def _greedy(engine, prompts, max_tokens=10):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
-    results = await asyncio.gather(*[collect(engine, p, params) for p in prompts])
-    return [[(t, lp) for chunk in chunks for t, lp in zip(chunk.token_ids, chunk.logprobs or [])] for chunks in results]
-
-
-async def test_tokens_and_logprobs_depend_on_the_request_alone(default_tokenizer):
-    """Alone, in a batch, chunked across steps of another size, and with the prompt partly read
-    from the prefix cache: the same tokens with the same logprobs to the last bit."""
-    loaded = tiny_loaded(default_tokenizer, kernels=True)
-    prompts = [list(range(20, 60)), [5, 9, 13], [7] * 11, list(range(100, 131))]
-
-    async def run(prompts, **config):
-        engine = tiny_engine(loaded, **config)
-        engine.start()
-        try:
-            return await _greedy(engine, prompts)
-        finally:
-            engine.shutdown()
-
-    alone = [(await run([p]))[0] for p in prompts]
-    assert all(len(tokens) == 10 for tokens in alone)
-    assert await run(prompts) == alone
-    assert await run(prompts, max_num_batched_tokens=7) == alone
-    # The same engine twice: the second time the prompts' full blocks come from the prefix cache.
-    engine = tiny_engine(loaded)
-    engine.start()
-    try:
-        assert await _greedy(engine, prompts) == alone
-        assert await _greedy(engine, prompts[::-1]) == alone[::-1]
-        assert engine.block_manager.num_prefix_hits > 0
-    finally:
-        engine.shutdown()

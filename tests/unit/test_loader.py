@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.model.causal_lm import UnsupportedModelError
+from engine.model.families import UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
 from tests.unit.helpers import CACHE_DIR, tiny_hf_model
 

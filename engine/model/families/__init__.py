@@ -1,0 +1,31 @@
+"""The model families Sluice serves, one file each, and the one place that maps a config's model_type
+to its family. Adding a family: a file here over engine/model/layers.py, its entry in FAMILIES, and its
+parity and invariance tests (docs/models.md)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from engine.model.families.base import DecoderFamily
+from engine.model.families.llama import Llama
+
+FAMILIES: tuple[type[DecoderFamily], ...] = (Llama,)
+
+_BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
+
+SUPPORTED_MODEL_TYPES = frozenset(_BY_MODEL_TYPE)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def family_of(hf_model: PreTrainedModel) -> DecoderFamily:
+    """The family that runs `hf_model`, built over its modules."""
+    model_type = hf_model.config.model_type
+    family = _BY_MODEL_TYPE.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    return family(hf_model)

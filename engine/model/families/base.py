@@ -1,0 +1,56 @@
+"""DecoderFamily: what a family of decoder-only models does in a forward, over the shared blocks of
+engine/model/layers.py. A family's file says only what differs from the defaults here."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.model.layers import AttentionShape, LayerOps, Rotary
+
+
+class DecoderFamily:
+    """Built from the Hugging Face model it runs (whose modules hold the weights); the forward loop
+    (engine/model/causal_lm.py) calls embed, rotary, layer for each layer, then the final norm and logits.
+
+    The defaults are Llama's: token embeddings as they are, one rotary table for every layer, a final
+    RMSNorm, logits as the head computes them."""
+
+    # The config.model_type values this family serves.
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        config = hf_model.config
+        self.config = config
+        inner = hf_model.model
+        self.rotary_emb = inner.rotary_emb
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.attention = AttentionShape(
+            num_heads=num_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            scale=float(getattr(inner.layers[0].self_attn, "scaling", head_dim**-0.5)),
+        )
+        # Per token and layer, the widest activation of the MLP (memory sizing reads it).
+        self.intermediate_size = config.intermediate_size
+
+    # Whether `logits` changes the head's output (the head's per-block maxima then no longer hold).
+    transforms_logits: ClassVar[bool] = False
+
+    def embed(self, embed_tokens: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return embed_tokens(input_ids)
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> Rotary:
+        return Rotary.of(self.rotary_emb, hidden, positions)
+
+    def layer(
+        self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary
+    ) -> torch.Tensor:
+        """Decoder layer `index` (the module `layer`) over the residual stream `hidden` [T, hidden]."""
+        raise NotImplementedError
+
+    def logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

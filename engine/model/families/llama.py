@@ -1,0 +1,20 @@
+"""Llama and the families that share its decoder layer exactly: Mistral, Qwen2 (biases on q/k/v, which
+the projections carry), Qwen3 (per-head RMSNorm of q and k, which self_attention finds on the module)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.families.base import DecoderFamily
+from engine.model.layers import LayerOps, Rotary, gated_mlp, self_attention
+
+
+class Llama(DecoderFamily):
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def layer(
+        self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary
+    ) -> torch.Tensor:
+        x = ops.normalize(layer.input_layernorm, hidden)
+        hidden = hidden + self_attention(ops, index, layer.self_attn, x, rotary, self.attention)
+        return hidden + gated_mlp(ops, layer.mlp, ops.normalize(layer.post_attention_layernorm, hidden))

@@ -1,0 +1,99 @@
+"""The building blocks the model families are made of: a step's linear layers, norms and paged attention
+(`LayerOps`, which picks the kernel each runs on), rotary embeddings, self-attention and the gated MLP.
+
+A family (engine/model/families/) composes these into its decoder layer; nothing here knows a family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model.attention import AttentionMetadata, paged_attention
+
+# What a linear layer or norm runs on instead of torch's module: a kernel's packed copy of its weights.
+Replacement = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Rotary:
+    """A step's rotary tables, [T, 1, rotary_dim] each, broadcast over heads. A rotary_dim below the head's
+    rotates the head's first rotary_dim features only (partial rotary, as Phi-4-mini has)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, rotary_emb: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> Rotary:
+        """The tables of the model's Hugging Face rotary module (any of its scalings) at `positions`."""
+        cos, sin = rotary_emb(hidden[None], positions[None])
+        return cls(cos[0].unsqueeze(1), sin[0].unsqueeze(1))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by each token's position."""
+        width = self.cos.shape[-1]
+        if width == x.shape[-1]:
+            return x * self.cos + _rotate_half(x) * self.sin
+        rotated, passed = x[..., :width], x[..., width:]
+        return torch.cat((rotated * self.cos + _rotate_half(rotated) * self.sin, passed), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """One forward's way to run a layer's parts: each linear layer and norm on its replacement where it
+    has one (the batch-invariant kernels, or int4 copies for a small step) else on torch's module, and
+    attention over the paged cache with the step's metadata."""
+
+    linears: Mapping[torch.nn.Module, Replacement]
+    norms: Mapping[torch.nn.Module, Replacement]
+    kv_cache: KVCache
+    meta: AttentionMetadata
+
+    def project(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        replaced = self.linears.get(linear)
+        return linear(x) if replaced is None else replaced(x)
+
+    def normalize(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        replaced = self.norms.get(norm)
+        return norm(x) if replaced is None else replaced(x)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, H, hd], k/v [T, KVH, hd] of layer `layer` → [T, H, hd]; stores k/v in the cache first."""
+        return paged_attention(q, k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], self.meta, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+def self_attention(
+    ops: LayerOps, layer: int, attn: torch.nn.Module, x: torch.Tensor, rotary: Rotary | None, shape: AttentionShape
+) -> torch.Tensor:
+    """Llama's attention block over x [T, hidden]: separate q/k/v projections, per-head RMSNorm of q and k
+    where the module has them (Qwen3, Gemma 3), rotary unless `rotary` is None, and the output projection."""
+    num_tokens = x.shape[0]
+    q = ops.project(attn.q_proj, x).view(num_tokens, shape.num_heads, shape.head_dim)
+    k = ops.project(attn.k_proj, x).view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    v = ops.project(attn.v_proj, x).view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    if hasattr(attn, "q_norm"):
+        q, k = ops.normalize(attn.q_norm, q), ops.normalize(attn.k_norm, k)
+    if rotary is not None:
+        q, k = rotary.apply(q), rotary.apply(k)
+    o = ops.attend(layer, q, k, v, shape.scale)
+    return ops.project(attn.o_proj, o.view(num_tokens, -1))
+
+
+def gated_mlp(ops: LayerOps, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)), Llama's MLP."""
+    return ops.project(mlp.down_proj, mlp.act_fn(ops.project(mlp.gate_proj, x)) * ops.project(mlp.up_proj, x))
