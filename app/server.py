@@ -16,7 +16,7 @@ from app.operations.front_door import FrontDoor
 from app.routes import chat, completions, health, models, playground, responses, streams
 from app.settings import Settings
 from app.state import ServerState, build_state
-from engine.model.host_memory import keep_freed_memory, tune_collector
+from engine.model.host_memory import keep_freed_memory, return_freed_memory, tune_collector
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ async def _start_engine_thread(settings: Settings) -> ServerState:
         try:
             state = build_state(settings)
             tune_collector()
+            return_freed_memory()
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which fails start-up with it
             loop.call_soon_threadsafe(built.set_exception, exc)
             return

@@ -40,7 +40,7 @@ from app.state import ServerState, build_state  # noqa: E402
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from engine.model.host_memory import keep_freed_memory, tune_collector  # noqa: E402
+from engine.model.host_memory import keep_freed_memory, return_freed_memory, tune_collector  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
@@ -152,6 +152,7 @@ def start_engine_thread(settings: Settings, first: Callable[[ServerState], T]) -
         try:
             state = build_state(settings)
             tune_collector()
+            return_freed_memory()
             ready["first"] = first(state)
             ready["state"] = state
         except BaseException as exc:  # noqa: BLE001 - reported by the calling thread

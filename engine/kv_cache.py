@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -265,6 +267,8 @@ class KVCache:
         device: torch.device,
     ) -> KVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        if device.type == "cpu":
+            return cls(key=_untouched_zeros(shape, dtype), value=_untouched_zeros(shape, dtype))
         return cls(
             key=torch.zeros(shape, dtype=dtype, device=device),
             value=torch.zeros(shape, dtype=dtype, device=device),
@@ -273,6 +277,14 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping of their own: the kernel hands each page in, zeroed, when it is first
+    touched, so a CPU server's resident memory grows with the KV it uses instead of the whole pool at start
+    (torch.zeros writes every page). The tensor keeps the mapping alive."""
+    buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def flat_block_tables(tables: Iterable[Sequence[int]], width: int, pad: int = 0) -> array:
