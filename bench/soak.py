@@ -42,8 +42,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.sse_reader import Event, parse_events  # noqa: E402
 from bench import serve  # noqa: E402
-from tests.e2e.sse import Event, parse_events  # noqa: E402
 
 PROMPTS = [f"Tell me one fact about {topic}." for topic in ("cats", "rain", "bread", "ships", "bees", "chess", "maps")]
 PERSON = {

@@ -36,8 +36,8 @@ from engine.channel import StreamChannel  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.causal_lm import HeadOutput  # noqa: E402
 from engine.model.graphs import run_eagerly  # noqa: E402
+from engine.tiny import tiny_engine, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
-from tests.unit.helpers import tiny_engine, tiny_loaded  # noqa: E402
 
 
 def step_time(loaded, streams: int, steps: int, overlap: bool, graphs: bool) -> float:

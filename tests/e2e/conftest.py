@@ -137,7 +137,7 @@ def door(tmp_path_factory, default_model_path) -> tuple[str, int, Path]:
 def tiny_model_path(tmp_path_factory, default_tokenizer) -> Path:
     """A tiny random Llama with the default model's tokenizer: for tests of what the API accepts and
     answers (validation, fuzzing), whose text does not matter and whose requests must be quick."""
-    from tests.unit.helpers import tiny_hf_model
+    from engine.tiny import tiny_hf_model
 
     folder = tmp_path_factory.mktemp("tiny-model")
     tiny_hf_model(vocab_size=len(default_tokenizer)).save_pretrained(folder)

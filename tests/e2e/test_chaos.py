@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.sse import parse_events, stream_text
+from app.sse_reader import parse_events, stream_text
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 
-from tests.e2e.sse import read_events
+from app.sse_reader import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.sse import iter_events, parse_events, read_events
+from app.sse_reader import iter_events, parse_events, read_events
 
 pytestmark = pytest.mark.slow
 

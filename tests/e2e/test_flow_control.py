@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.sse import Event, parse_events, read_events
+from app.sse_reader import Event, parse_events, read_events
 
 pytestmark = pytest.mark.slow
 

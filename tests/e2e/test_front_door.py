@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
+from app.sse_reader import parse_events
 from tests.e2e.conftest import FILE_KEY, KEY, start_server
-from tests.e2e.sse import parse_events
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.sse import read_events
+from app.sse_reader import read_events
 
 pytestmark = pytest.mark.slow
 

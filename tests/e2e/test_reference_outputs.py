@@ -12,9 +12,10 @@ import pytest
 
 from engine.engine import Engine
 from engine.model.loader import LoadedModel, load_model
+from engine.tiny import tiny_engine
 from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
-from tests.unit.helpers import collect, tiny_engine
+from tests.unit.helpers import collect
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.sse import iter_events
+from app.sse_reader import iter_events
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.sse import read_events, stream_text
+from app.sse_reader import read_events, stream_text
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from tests.e2e.sse import read_events
+from app.sse_reader import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -1,25 +1,19 @@
-"""Builders shared by unit tests: tiny random models, engines and requests."""
+"""Builders shared by unit tests: requests, Hugging Face's greedy reference, and running tiny engines
+(their models: engine/tiny.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.channel import StreamChannel
-from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
 from engine.engine import Engine
-from engine.model.causal_lm import PagedCausalLM
-from engine.model.loader import LoadedModel, use_invariant_kernels
 from engine.request import Request
+from engine.tiny import TINY_VOCAB
 from engine.types import Chunk, SamplingParams
-from tests.conftest import CACHE_DIR
-
-TINY_VOCAB = 512
 
 # One of each way of sampling: greedy, temperature alone, and each truncation (keyword arguments of SamplingParams).
 SAMPLING_KINDS = [
@@ -29,45 +23,6 @@ SAMPLING_KINDS = [
     dict(temperature=1.2, top_k=20),
     dict(temperature=0.7, min_p=0.1, top_p=0.95),
 ]
-
-
-# What a family's tiny random configuration sets beyond the common shape (engine/model/families/).
-FAMILY_CONFIGS: dict[str, dict] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {},
-    "qwen3": {},
-}
-
-
-def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB):
-    """A 2-layer random model of the family `model_type` whose logits are peaked enough for greedy decoding
-    to be stable.
-
-    `repetitive`: tied embeddings and damped layers, so it mostly repeats its last token and
-    now and then switches; speculative proposals are then often accepted and often rejected.
-    """
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        tie_word_embeddings=repetitive,
-    )
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[model_type]})
-    model = AutoModelForCausalLM.from_config(config).eval()
-    if repetitive:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight.mul_(0.3)
-                layer.mlp.down_proj.weight.mul_(0.3)
-    return model
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -80,45 +35,6 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
-
-
-def tiny_loaded(
-    tokenizer,
-    model_type: str = "llama",
-    repetitive: bool = False,
-    vocab_size: int = TINY_VOCAB,
-    kernels: bool = False,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> LoadedModel:
-    """`kernels`: run on the batch-invariant kernels, as a server does by default."""
-    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size).to(device=device, dtype=dtype)
-    model = PagedCausalLM(hf)
-    if kernels:
-        use_invariant_kernels(model, hf, CACHE_DIR)
-        assert model.batch_invariant, "the batch-invariant kernels did not build on this machine"
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        token_bytes=TokenBytes.from_tokenizer(tokenizer),
-        name=f"tiny-{model_type}",
-        path=Path("."),
-        eos_token_ids=frozenset(),
-        max_position_embeddings=1024,
-    )
-
-
-def tiny_engine(loaded: LoadedModel, draft_model: PagedCausalLM | None = None, **overrides) -> Engine:
-    config = dict(
-        max_num_seqs=16,
-        max_num_batched_tokens=32,
-        max_model_len=1024,
-        block_size=4,
-        num_kv_blocks=512,
-        max_unread_tokens=1 << 20,
-    )
-    config.update(overrides)
-    return Engine(loaded, EngineConfig(**config), draft_model)
 
 
 def make_request(

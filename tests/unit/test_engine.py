@@ -4,8 +4,9 @@ import random
 import pytest
 
 from engine.channel import StreamChannel
+from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import FinishReason, SamplingParams
-from tests.unit.helpers import SAMPLING_KINDS, collect, tiny_engine, tiny_loaded, tokens_of, wait_for
+from tests.unit.helpers import SAMPLING_KINDS, collect, tokens_of, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,10 @@ import asyncio
 import pytest
 
 from engine.model.families import SUPPORTED_MODEL_TYPES
+from engine.tiny import FAMILY_CONFIGS, tiny_engine, tiny_hf_model, tiny_loaded
 from engine.types import SamplingParams
-from tests.unit.helpers import FAMILY_CONFIGS, collect, hf_greedy, tiny_engine, tiny_hf_model, tiny_loaded, tokens_of
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import collect, hf_greedy, tokens_of
 
 PROMPTS = [list(range(20, 60)), [5, 9, 13], [7] * 11]
 NEW_TOKENS = 32
@@ -33,7 +35,7 @@ async def _run(loaded, prompts, **config):
 @pytest.mark.parametrize("kernels", [True, False], ids=["invariant-kernels", "torch-kernels"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 async def test_greedy_matches_hf_generate_in_a_chunked_mixed_batch(default_tokenizer, model_type, kernels):
-    loaded = tiny_loaded(default_tokenizer, model_type, kernels=kernels)
+    loaded = tiny_loaded(default_tokenizer, model_type, kernels_cache=CACHE_DIR if kernels else None)
     reference = tiny_hf_model(model_type)  # same seed, same weights
     expected = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
     # A budget of 7 tokens and blocks of 4 force chunked prefill across block edges, mixed with decodes.
@@ -47,7 +49,7 @@ def _tokens_and_logprobs(results):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 async def test_outputs_depend_on_the_request_alone(default_tokenizer, model_type):
-    loaded = tiny_loaded(default_tokenizer, model_type, kernels=True)
+    loaded = tiny_loaded(default_tokenizer, model_type, kernels_cache=CACHE_DIR)
     alone = [_tokens_and_logprobs(await _run(loaded, [p]))[0] for p in PROMPTS]
     assert all(len(output) == NEW_TOKENS for output in alone)
     assert _tokens_and_logprobs(await _run(loaded, PROMPTS)) == alone

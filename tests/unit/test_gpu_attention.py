@@ -12,8 +12,9 @@ pytestmark = pytest.mark.interpreter
 
 from engine.config import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
+from engine.tiny import tiny_engine, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded  # noqa: E402
+from tests.unit.helpers import collect  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

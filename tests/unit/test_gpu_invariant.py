@@ -16,8 +16,10 @@ pytestmark = pytest.mark.interpreter
 
 from engine.config import SpeculativeConfig  # noqa: E402
 from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm, linear_config  # noqa: E402
+from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
-from tests.unit.helpers import collect, tiny_engine, tiny_hf_model, tiny_loaded, tokens_of  # noqa: E402
+from tests.conftest import CACHE_DIR  # noqa: E402
+from tests.unit.helpers import collect, tokens_of  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter multiplies bfloat16 operands of tl.dot as their bits' integers: bfloat16 runs on CUDA only.
@@ -118,7 +120,11 @@ async def test_a_greedy_bfloat16_request_gets_the_same_tokens_alone_in_a_batch_a
     on both sides of the linear kernel's switch of tiles, mixed steps with their prompt chunks), then
     again with its prompt in the prefix cache."""
     loaded = tiny_loaded(
-        default_tokenizer, repetitive=speculative is not None, kernels=True, device="cuda", dtype=torch.bfloat16
+        default_tokenizer,
+        repetitive=speculative is not None,
+        kernels_cache=CACHE_DIR,
+        device="cuda",
+        dtype=torch.bfloat16,
     )
     rng = random.Random(11)
     prompt = [rng.randrange(1, 400) for _ in range(37)]

@@ -19,8 +19,10 @@ from bench.sampler import SETTINGS  # noqa: E402
 from engine.kernels import gpu_sampling  # noqa: E402
 from engine.kernels.native import load_library  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
+from engine.tiny import tiny_engine, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
-from tests.unit.helpers import CACHE_DIR, collect, make_request, tiny_engine, tiny_loaded  # noqa: E402
+from tests.conftest import CACHE_DIR  # noqa: E402
+from tests.unit.helpers import collect, make_request  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,8 +11,9 @@ import jsonschema
 import pytest
 
 from engine.sampling.grammar import GrammarError
+from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import FinishReason, GrammarSpec, SamplingParams
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded
+from tests.unit.helpers import collect
 
 SCHEMA = {
     "type": "object",

@@ -21,17 +21,9 @@ from engine.config import SpeculativeConfig  # noqa: E402
 from engine.model.attention import gpu_attention  # noqa: E402
 from engine.model.graphs import CudaGraphCapture, batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
+from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded  # noqa: E402
 from engine.types import FinishReason, SamplingParams  # noqa: E402
-from tests.unit.helpers import (  # noqa: E402
-    collect,
-    hf_greedy,
-    make_request,
-    tiny_engine,
-    tiny_hf_model,
-    tiny_loaded,
-    tokens_of,
-    wait_for,
-)
+from tests.unit.helpers import collect, hf_greedy, make_request, tokens_of, wait_for  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -3,7 +3,8 @@ import torch
 
 from engine.model.families import UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
-from tests.unit.helpers import CACHE_DIR, tiny_hf_model
+from engine.tiny import tiny_hf_model
+from tests.conftest import CACHE_DIR
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])

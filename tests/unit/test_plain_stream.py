@@ -5,10 +5,10 @@ import asyncio
 
 from app.serving.sse import PlainStream
 from app.serving.streaming import CompletionRenderer
+from app.sse_reader import Event, parse_events, stream_text
 from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
 from engine.types import Chunk, FinishReason
-from tests.e2e.sse import Event, parse_events, stream_text
 
 
 class Connection:

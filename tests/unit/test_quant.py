@@ -7,8 +7,9 @@ import torch
 
 from engine.model.loader import resolve_int4_max_tokens
 from engine.model.quant import GROUP_SIZE, Int4Weight, int4_copies
+from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import SamplingParams
-from tests.unit.helpers import collect, tiny_engine, tiny_loaded, tokens_of
+from tests.unit.helpers import collect, tokens_of
 
 
 def snap_to_4_bits(weight: torch.Tensor) -> torch.Tensor:

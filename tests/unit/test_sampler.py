@@ -9,7 +9,8 @@ from engine.kernels.native import load_library
 from engine.request import Request
 from engine.sampling.sampler import BLOCK, Sampler
 from engine.types import SamplingParams
-from tests.unit.helpers import CACHE_DIR, make_request
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import make_request
 
 # Every test runs on both of the sampler's paths: torch's, and the CPU kernel's.
 _sampler = Sampler()

@@ -9,7 +9,7 @@ import pytest
 import uvloop
 
 from app.operations.sends import SendBatch
-from tests.unit.helpers import CACHE_DIR
+from tests.conftest import CACHE_DIR
 
 
 @pytest.fixture(scope="module")

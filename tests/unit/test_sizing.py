@@ -3,10 +3,10 @@ import torch
 
 from engine.model.causal_lm import PagedCausalLM
 from engine.sizing import choose_sizes, gpu_kv_cache_bytes, graph_pool_bytes, num_kv_blocks, step_activation_bytes
-from tests.unit.helpers import tiny_hf_model
+from engine.tiny import tiny_hf_model
 
 GIB = 2**30
-# The expected figures are worked out here from the tiny model's shape (tests/unit/helpers.py: 64 hidden,
+# The expected figures are worked out here from the tiny model's shape (engine/tiny.py: 64 hidden,
 # 128 intermediate, 4 heads and 2 KV heads of 16 dimensions, 512 tokens, float32), not by the
 # functions under test. One token's tensors in one layer: 4 hidden states, q/k/v and 3 MLP intermediates.
 LAYER_BYTES = (4 * 64 + (4 + 2 * 2) * 16 + 3 * 128) * 4

@@ -8,8 +8,9 @@ import torch
 from engine.channel import StreamChannel
 from engine.config import SpeculativeConfig
 from engine.sampling.speculative import NgramProposer, Proposal, verify
+from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import FinishReason, SamplingParams
-from tests.unit.helpers import collect, make_request, tiny_engine, tiny_loaded, tokens_of
+from tests.unit.helpers import collect, make_request, tokens_of
 
 NGRAM = SpeculativeConfig("ngram", num_tokens=4, max_batch_size=16)
 DRAFT = SpeculativeConfig("draft", num_tokens=3, max_batch_size=16)

@@ -8,8 +8,10 @@ from app.server import _start_engine_thread
 from app.settings import Settings
 from app.state import build_state
 from engine.model.host_memory import COLLECTOR_THRESHOLDS
+from engine.tiny import tiny_hf_model
 from engine.types import SamplingParams
-from tests.unit.helpers import CACHE_DIR, collect, tiny_hf_model, tokens_of
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import collect, tokens_of
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType, dequantize
 from engine.kernels.invariant import BLOCK_BYTES, PackedLinear, WeightForm
 from engine.kernels.native import load_library
 from engine.model.loader import load_model
+from engine.tiny import tiny_hf_model
 from tests.conftest import CACHE_DIR
-from tests.unit.helpers import tiny_hf_model
 
 GGUF_TYPES = {WeightForm.Q8_0: GGMLQuantizationType.Q8_0, WeightForm.Q4_1: GGMLQuantizationType.Q4_1}
 SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]

@@ -1,4 +1,5 @@
-"""A strict reader of raw SSE streams, for asserting on the wire format itself."""
+"""A strict reader of raw SSE streams, for asserting on the wire format itself: what the end-to-end tests
+and bench/soak.py read streams with."""
 
 from __future__ import annotations
 
