@@ -43,6 +43,12 @@ class Settings(BaseSettings):
     Q4_1), up to 1.8x faster on a CPU; prompt tokens and larger steps use --dtype. Default: 16 for the
     embedded default model on CPUs with AVX-512 under --no-batch-invariant (its weights ship as 4-bit), 0 (off)
     otherwise; any other value turns batch invariance off."""
+    quantize: Literal["none", "q8_0", "q4_1"] = "none"
+    """Quantize the weights at load into GGUF's blocks of 32, read by the batch-invariant CPU kernels: q8_0 (8
+    bits, about a quarter of float32's bytes) or q4_1 (4 bits, an eighth; the output head as q8_0, as llama.cpp
+    keeps it). Outputs stay deterministic and batch-invariant, but are no longer bit-equal to the unquantized
+    model's (docs/performance.md has the accuracy). Needs the batch-invariant kernels on a CPU in float32; layers
+    whose input width is not a multiple of 32 stay as they are."""
     batch_invariant: bool = True
     """A request's tokens depend on the request alone (prompt, parameters, seed), not on what shares its batch, the
     prefix cache, chunking or speculation: float32 linear layers and attention on Sluice's own kernels (x86 CPUs

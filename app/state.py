@@ -156,6 +156,7 @@ def build_state(settings: Settings) -> ServerState:
         settings.dtype,
         settings.int4_max_tokens,
         settings.batch_invariant,
+        quantize=None if settings.quantize == "none" else settings.quantize,
     )
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)

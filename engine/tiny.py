@@ -63,12 +63,14 @@ def tiny_loaded(
     kernels_cache: Path | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """`kernels_cache`: run on the batch-invariant kernels (as a server does by default), built there."""
+    """`kernels_cache`: run on the batch-invariant kernels (as a server does by default), built there;
+    `quantize` ("q8_0", "q4_1") quantizes the weights for them."""
     hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size).to(device=device, dtype=dtype)
     model = PagedCausalLM(hf)
     if kernels_cache is not None:
-        use_invariant_kernels(model, hf, kernels_cache)
+        use_invariant_kernels(model, hf, kernels_cache, quantize=quantize)
         assert model.batch_invariant, "the batch-invariant kernels did not build on this machine"
     return LoadedModel(
         model=model,

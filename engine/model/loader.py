@@ -16,6 +16,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from gguf import GGMLQuantizationType, quants  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from engine.detokenizer import TokenBytes  # noqa: E402
@@ -136,8 +137,10 @@ def load_model(
     dtype: str,
     int4_max_tokens: int | None = 0,
     batch_invariant: bool = False,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (a local HF folder, or None for the embedded default) onto the device."""
+    """Load `model` (a local HF folder, or None for the embedded default) onto the device; `quantize`
+    ("q8_0" or "q4_1") quantizes its linear layers for the batch-invariant kernels."""
     if model is None:
         path = convert_gguf(default_model_gguf(), cache_dir)
         name = DEFAULT_MODEL_NAME
@@ -165,8 +168,14 @@ def load_model(
     paged.use_int4(int4, int4_tokens)
     if int4:
         logger.info("int4 weights for steps of up to %d tokens (%d linear layers)", int4_tokens, len(int4))
+    if quantize is not None and not batch_invariant:
+        raise ValueError(f"--quantize {quantize} needs the batch-invariant kernels (leave out --no-batch-invariant)")
     if batch_invariant:
-        use_invariant_kernels(paged, hf_model, cache_dir, default_model_gguf() if model is None else None)
+        use_invariant_kernels(
+            paged, hf_model, cache_dir, default_model_gguf() if model is None else None, quantize=quantize
+        )
+        if quantize is not None and paged.kernels is None:
+            raise ValueError(f"--quantize {quantize} needs the batch-invariant CPU kernels, which cannot run here")
         if int4_tokens and paged.kernels is not None:
             logger.warning("--int4-max-tokens %d: steps that small run int4; batch invariance is off", int4_tokens)
     eos = _eos_token_ids(hf_model.generation_config.eos_token_id, tokenizer)
@@ -183,14 +192,20 @@ def load_model(
 
 
 def use_invariant_kernels(
-    paged: PagedCausalLM, hf_model: PreTrainedModel, cache_dir: Path, gguf: Path | None = None
+    paged: PagedCausalLM,
+    hf_model: PreTrainedModel,
+    cache_dir: Path,
+    gguf: Path | None = None,
+    quantize: str | None = None,
 ) -> None:
     """Moves every linear layer into the invariant kernels' layout (freeing the original where
     nothing else shares it) and routes attention through them; logs why not where they cannot run.
 
     Each weight is kept in the precision its source has: the GGUF `gguf`'s blocks (it is the model's
     source), bfloat16 where every value is one, else float32. A form is kept only where the values the
-    kernel widens it to are exactly the float32 weight's, so the outputs are the float32 kernel's bits."""
+    kernel widens it to are exactly the float32 weight's, so the outputs are the float32 kernel's bits.
+    `quantize` ("q8_0", "q4_1") instead quantizes every layer whose input width allows it into that form
+    (the output head into Q8_0)."""
     if paged.device.type == "cuda":
         use_gpu_invariant_kernels(paged, hf_model)
         return
@@ -206,12 +221,19 @@ def use_invariant_kernels(
     library = load_library(cache_dir)
     if library is None:
         return
-    blocks = shipped_blocks(gguf, hf_model) if gguf is not None else {}
+    blocks = shipped_blocks(gguf, hf_model) if gguf is not None and quantize is None else {}
     shared = {hf_model.get_input_embeddings().weight.data_ptr()}
     packed = {}
     for module in hf_model.modules():
         if isinstance(module, torch.nn.Linear):
-            packed[module] = _pack_as_shipped(library, module, blocks.get(module))
+            if quantize is not None and module.in_features % 32 == 0:
+                form = WeightForm.Q8_0 if quantize == "q8_0" or module is paged.lm_head else WeightForm.Q4_1
+                weight = _pack_quantized(library, module, form)
+            else:
+                weight = _pack_as_shipped(library, module, blocks.get(module))
+            packed[module] = (
+                weight if module.bias is None else dataclasses.replace(weight, bias=module.bias.detach().float())
+            )
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
     paged.use_kernels(library, packed)
@@ -224,6 +246,14 @@ def use_invariant_kernels(
     )
 
 
+def _pack_quantized(library: ctypes.CDLL, module: torch.nn.Linear, form: WeightForm) -> PackedLinear:
+    """The layer's weight quantized into GGUF blocks of `form` (gguf's own quantizer, as llama.cpp's
+    convert script writes them)."""
+    kind = {WeightForm.Q8_0: GGMLQuantizationType.Q8_0, WeightForm.Q4_1: GGMLQuantizationType.Q4_1}[form]
+    blocks = torch.from_numpy(quants.quantize(module.weight.detach().float().numpy(), kind))
+    return PackedLinear.pack_blocks(library, form, blocks, module.out_features, module.in_features)
+
+
 def _pack_as_shipped(
     library: ctypes.CDLL, module: torch.nn.Linear, blocks: tuple[WeightForm, torch.Tensor] | None
 ) -> PackedLinear:
@@ -232,11 +262,9 @@ def _pack_as_shipped(
         candidate = PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)
     else:
         candidate = PackedLinear.pack(library, weight.bfloat16())
-    if not torch.equal(candidate.unpacked().view(torch.int32), weight.float().view(torch.int32)):
-        candidate = PackedLinear.pack(library, weight)
-    if module.bias is None:
+    if torch.equal(candidate.unpacked().view(torch.int32), weight.float().view(torch.int32)):
         return candidate
-    return dataclasses.replace(candidate, bias=module.bias.detach().float().clone())
+    return PackedLinear.pack(library, weight)
 
 
 def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -> None:
