@@ -16,6 +16,7 @@ from app.operations.audit import AuditLog
 from app.operations.metrics import Metrics
 from app.operations.sends import SendBatch
 from app.serving.protocol import ServingLimits
+from app.serving.reasoning import ReasoningParser, reasoning_parser
 from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry
 from app.serving.tools import ToolUse
@@ -26,7 +27,7 @@ from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError
 from engine.sizing import choose_sizes, num_kv_blocks
-from engine.types import GrammarSpec
+from engine.types import GrammarSpec, Reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ServerState:
     engine: Engine
     model_name: str
     limits: ServingLimits
+    # How chat outputs are split into reasoning and answer; None: all of an output is answer.
+    reasoning: ReasoningParser | None
     streams: StreamRegistry
     responses: ResponseStore
     api_keys: tuple[bytes, ...]
@@ -103,6 +106,10 @@ class ServerState:
         except GrammarError as exc:
             raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
         return spec
+
+    def reasoning_for(self, prompt_ids: list[int]) -> Reasoning | None:
+        """How the chat output that follows this prompt is split (None: it is all answer)."""
+        return self.reasoning.for_prompt(prompt_ids) if self.reasoning is not None else None
 
     def check_model(self, requested: str | None) -> None:
         if requested not in (None, self.model_name, str(self.loaded.path)):
@@ -209,6 +216,7 @@ def build_state(settings: Settings) -> ServerState:
         loaded=loaded,
         engine=engine,
         model_name=model_name,
+        reasoning=reasoning_parser(settings.reasoning_parser, loaded.tokenizer),
         limits=ServingLimits(
             max_model_len=max_model_len,
             vocab_size=loaded.model.vocab_size,

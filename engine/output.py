@@ -1,6 +1,6 @@
 """OutputProcessor: a request's new tokens → the chunks its reader gets.
 
-Detokenizes, cuts at stop strings and stop tokens, groups `stream_interval` tokens
+Detokenizes, splits off the reasoning, cuts the answer at stop strings and stop tokens, groups `stream_interval` tokens
 per chunk, and puts the timings on the terminal chunk. Runs on the engine thread;
 the StreamChannel carries the result across.
 """
@@ -27,6 +27,7 @@ class OutputProcessor:
         or the request has finished. A burst of several tokens goes out as one chunk."""
         if (
             not request.params.stop
+            and request.reasoning is None
             and not request.pending_token_ids
             and len(token_ids) >= request.params.stream_interval
             and not request.is_finished
@@ -41,10 +42,14 @@ class OutputProcessor:
         if request.finish_reason == FinishReason.STOP and self.scheduler.is_stop_token(request, token_ids[-1]):
             # The stop token is counted but neither shown nor scored, like a stop string.
             shown, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
+        thought = 0
+        if request.reasoning is not None:
+            thought = self._think(request, shown)
+            shown = shown[thought:]
         # With stop strings, one token at a time: a match inside a burst ends it at that token.
         pieces = [[t] for t in shown] if request.params.stop else [shown]
         released, matched = [], False
-        for count, piece in enumerate(pieces, start=1):
+        for count, piece in enumerate(pieces, start=thought + 1):
             text, matched = request.stop_matcher.feed(request.detokenizer.decode(piece))
             released.append(text)
             if matched:
@@ -68,6 +73,21 @@ class OutputProcessor:
         if request.is_finished or len(request.pending_token_ids) >= request.params.stream_interval:
             self._push(request)
 
+    def _think(self, request: Request, token_ids: list[int]) -> int:
+        """Take the reasoning's part of these tokens (they lead the list) into its own text, unseen by
+        stop strings; returns how many it took. The tags' text is not shown."""
+        split = request.reasoning
+        thinking, taken = split.feed(token_ids)
+        text = request.detokenizer.decode(thinking) if thinking else ""
+        if split.answering or request.is_finished:
+            # A character the reasoning left unfinished is the reasoning's, not the answer's.
+            text += request.detokenizer.flush()
+        if split.answering:
+            request.reasoning = None
+        request.pending_reasoning.append(text)
+        request.num_reasoning_tokens += len(thinking)
+        return taken
+
     def flush(self) -> None:
         """Deliver every chunk staged since the last flush (once per step)."""
         self.outbox.flush()
@@ -75,7 +95,10 @@ class OutputProcessor:
     def end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Latch `status` and send the terminal chunk with whatever output was held back."""
         request.finish(status, error)
-        request.pending_text += [request.detokenizer.flush(), request.stop_matcher.flush()]
+        if request.reasoning is not None:
+            request.pending_reasoning.append(request.detokenizer.flush())
+        else:
+            request.pending_text += [request.detokenizer.flush(), request.stop_matcher.flush()]
         self._push(request)
 
     def _push(self, request: Request) -> None:
@@ -90,9 +113,11 @@ class OutputProcessor:
                 finish_reason=request.finish_reason,
                 error=request.error,
                 timings=self._timings(request) if request.is_finished else None,
+                reasoning="".join(request.pending_reasoning),
             ),
         )
         request.pending_token_ids, request.pending_text, request.pending_logprobs = [], [], []
+        request.pending_reasoning = []
 
     @staticmethod
     def _timings(request: Request) -> Timings:
@@ -110,4 +135,5 @@ class OutputProcessor:
             accepted_tokens=request.num_accepted_tokens,
             cached_tokens=request.num_cached_tokens or 0,
             paused=request.was_paused,
+            reasoning_tokens=request.num_reasoning_tokens,
         )

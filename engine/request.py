@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from engine.reasoning import ReasoningSplit
 from engine.sampling.draws import request_key
 from engine.types import FinishReason, SamplingParams, TokenLogprob
 
@@ -83,6 +84,11 @@ class Request:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_text: list[str] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_reasoning: list[str] = field(default_factory=list)
+    # Where the output stands against its reasoning while that may still go on; None once the answer
+    # has begun (or for a request without reasoning), so later steps take the plain path.
+    reasoning: ReasoningSplit | None = field(init=False, default=None)
+    num_reasoning_tokens: int = 0
     # Speculative decoding: tokens proposed for and accepted by this request so far.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -106,6 +112,8 @@ class Request:
             # Each choice of a seeded request gets its own reproducible draws.
             self.rng_key = request_key(self.params.seed, self.index)
         params = self.params
+        if params.reasoning is not None:
+            self.reasoning = ReasoningSplit(params.reasoning)
         self.overlappable = (
             self.constraint is None and not params.penalized and params.logprobs is None and params.n == 1
         )

@@ -33,6 +33,18 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """Where a request's output thinks before it answers, between two tags of one token each
+    (`<think>`, `</think>`): from the output's start when the prompt opened the tag (`open_at_start`),
+    or when the output's first token is `start_token_id`, until `end_token_id`. The tags are neither
+    reasoning nor answer; stop strings and the output's grammar apply to the answer alone."""
+
+    start_token_id: int
+    end_token_id: int
+    open_at_start: bool
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What the client asked for; validated on the wire, immutable inside the engine."""
 
@@ -58,6 +70,8 @@ class SamplingParams:
     speculative: bool = True
     # What the output must match (structured output, tool calls); None: free text.
     grammar: GrammarSpec | None = None
+    # The reasoning the output starts with, split off from the answer; None: all of it is answer.
+    reasoning: Reasoning | None = None
     # Stored conversations: keep this request's KV blocks pinned under this key once it finishes
     # (with stop or length), and the key of the pinned conversation this request continues.
     keep_kv_as: str | None = None
@@ -109,6 +123,8 @@ class Timings:
     cached_tokens: int = 0
     # Whether the request was ever paused for its reader.
     paused: bool = False
+    # Output tokens inside the reasoning (its tags not counted, as vLLM counts them).
+    reasoning_tokens: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -132,6 +148,8 @@ class Chunk(NamedTuple):
     finish_reason: FinishReason | None = None
     error: str | None = None
     timings: Timings | None = None
+    # The reasoning's text in this chunk, which comes before `text` (see Reasoning).
+    reasoning: str = ""
 
     @property
     def is_terminal(self) -> bool:
@@ -142,12 +160,21 @@ class Chunk(NamedTuple):
         """Chunks of one choice, in order, as one (the last one's ending)."""
         token_ids: list[int] = []
         texts: list[str] = []
+        reasoning: list[str] = []
         logprobs: list[TokenLogprob] = []
         for chunk in chunks:
             token_ids += chunk.token_ids
             texts.append(chunk.text)
+            reasoning.append(chunk.reasoning)
             logprobs += chunk.logprobs
         last = chunks[-1]
         return Chunk(
-            tuple(token_ids), "".join(texts), last.index, tuple(logprobs), last.finish_reason, last.error, last.timings
+            tuple(token_ids),
+            "".join(texts),
+            last.index,
+            tuple(logprobs),
+            last.finish_reason,
+            last.error,
+            last.timings,
+            "".join(reasoning),
         )

@@ -22,9 +22,10 @@ async def create_chat_completion(
 ) -> EventSourceResponse | ChatCompletion:
     state.check_model(body.model)
     tool_use = body.tool_use()
-    prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages, tool_use)
+    prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages, tool_use, body.chat_template_kwargs)
     grammar = await state.output_grammar(body.grammar(), tool_use)
-    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar)
+    reasoning = state.reasoning_for(prompt_ids)
+    params = body.to_sampling_params(len(prompt_ids), state.limits, grammar, reasoning)
     accounting = state.accounting_for(
         request,
         "/v1/chat/completions",
@@ -42,6 +43,7 @@ async def create_chat_completion(
         body.include_usage,
         accounting,
         parses_tools=tool_use is not None,
+        splits_reasoning=reasoning is not None,
     )
     if not body.stream:
         return await renderer.fold()

@@ -39,7 +39,8 @@ async def create_response(
     conversation = _conversation(body, state, tool_use)
     grammar = await state.output_grammar(body.grammar(), tool_use)
     response_id = new_response_id()
-    params = body.to_sampling_params(len(conversation.prompt_ids), state.limits, grammar)
+    reasoning = state.reasoning_for(conversation.prompt_ids)
+    params = body.to_sampling_params(len(conversation.prompt_ids), state.limits, grammar, reasoning)
     params = replace(params, keep_kv_as=response_id if body.store else None, continues=body.previous_response_id)
     accounting = state.accounting_for(
         request,

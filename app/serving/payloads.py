@@ -11,9 +11,18 @@ from pydantic import BaseModel, Field, model_serializer
 from app.serving.protocol import ToolCall
 
 
+def _absent(value: object) -> bool:
+    return value is None
+
+
 class PromptTokensDetails(BaseModel):
     # Prompt tokens whose K/V came from the prefix cache.
     cached_tokens: int
+
+
+class CompletionTokensDetails(BaseModel):
+    # Completion tokens the model thought in (a reasoning model's, split off the answer).
+    reasoning_tokens: int
 
 
 class Usage(BaseModel):
@@ -21,6 +30,8 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only where the output is split into reasoning and answer.
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, exclude_if=_absent)
 
 
 class _Delta(BaseModel):
@@ -45,6 +56,9 @@ class ToolCallDelta(_Delta):
 class ChatDelta(_Delta):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # A reasoning model's thinking, under both names vLLM has given it (`reasoning` is its newer one).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -85,10 +99,6 @@ class Timings(BaseModel):
     cache_n: int
 
 
-def _absent(value: object) -> bool:
-    return value is None
-
-
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
@@ -109,6 +119,9 @@ class ChatCompletionChunk(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's thinking, as ChatDelta's.
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
+    reasoning: str | None = Field(None, exclude_if=_absent)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=_absent)
 
 

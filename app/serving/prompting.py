@@ -8,7 +8,9 @@ writes them, and tool results come back in a user turn, all in the Hermes format
 
 from __future__ import annotations
 
+import inspect
 import json
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,13 +20,23 @@ from app.serving.tools import ToolUse, render_call, render_result
 
 # Templates written before the "developer" role know it as "system".
 _ROLE_ALIASES = {"developer": "system"}
+# What a request's template variables may not name: apply_chat_template's own arguments, and the
+# conversation the template reads as `messages`.
+_RENDER_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self",
+    "kwargs",
+} | {"messages"}
 
 
 def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], tool_use: ToolUse | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[ChatMessage],
+    tool_use: ToolUse | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render the conversation with the tokenizer's chat template, ending on the assistant's turn."""
-    return tokenizer.encode(chat_prompt_text(tokenizer, messages, tool_use), add_special_tokens=False)
+    text = chat_prompt_text(tokenizer, messages, tool_use, template_kwargs=template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def chat_prompt_text(
@@ -32,10 +44,16 @@ def chat_prompt_text(
     messages: list[ChatMessage],
     tool_use: ToolUse | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The conversation as the chat template renders it."""
+    """The conversation as the chat template renders it; `template_kwargs` are the request's own
+    variables for the template (`chat_template_kwargs`)."""
     if not tokenizer.chat_template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    if taken := sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS):
+        raise OpenAIError(
+            400, f"chat_template_kwargs may not set {', '.join(taken)}: Sluice sets it", param="chat_template_kwargs"
+        )
     if template_knows_tools(tokenizer):
         conversation = [_native_message(m) for m in messages]
         tools = [_definition(f) for f in tool_use.functions] if tool_use else None
@@ -46,7 +64,11 @@ def chat_prompt_text(
             conversation = _with_system_prompt(conversation, tool_use.system_prompt())
     try:
         return tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # noqa: BLE001 - a template raises whatever its author chose
         raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc

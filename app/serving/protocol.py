@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from app.errors import OpenAIError
 from app.serving.json_schema import decoded_schema
 from app.serving.tools import Function, ToolUse, parameters_schema
-from engine.types import GrammarSpec, SamplingParams
+from engine.types import GrammarSpec, Reasoning, SamplingParams
 
 
 class _Request(BaseModel):
@@ -192,7 +192,11 @@ class _SamplingRequest(_Request):
         return found[0] if found else None
 
     def to_sampling_params(
-        self, num_prompt_tokens: int, limits: ServingLimits, grammar: GrammarSpec | None = None
+        self,
+        num_prompt_tokens: int,
+        limits: ServingLimits,
+        grammar: GrammarSpec | None = None,
+        reasoning: Reasoning | None = None,
     ) -> SamplingParams:
         """Check what the fields alone cannot (vocabulary, context, seats), then freeze."""
         if self.n > limits.max_num_seqs:
@@ -235,6 +239,7 @@ class _SamplingRequest(_Request):
             stream_interval=self.stream_interval or limits.stream_interval,
             speculative=self.speculative,
             grammar=grammar,
+            reasoning=reasoning,
         )
 
     @property
@@ -328,6 +333,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extension (as vLLM): extra variables for the chat template, e.g. {"enable_thinking": false}."""
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

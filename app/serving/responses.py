@@ -26,7 +26,10 @@ from app.serving.responses_protocol import (
     InputTokensDetails,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    OutputTokensDetails,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponseUsage,
@@ -90,7 +93,7 @@ class ResponseRun:
         self.conversation = conversation
         self._parser = ToolCallParser() if parses_tools else None
         self._log: EventLog[bytes] = EventLog()
-        self._open: OutputMessage | OutputFunctionCall | None = None
+        self._open: OutputReasoning | OutputMessage | OutputFunctionCall | None = None
 
     @property
     def id(self) -> str:
@@ -117,6 +120,8 @@ class ResponseRun:
                     if chunk.finish_reason in ENDED_IN_ERROR:
                         terminal = chunk
                         break
+                    if chunk.reasoning:
+                        self._on_reasoning(chunk.reasoning)
                     for piece in self._pieces(chunk):
                         self._on_piece(piece)
                     if chunk.is_terminal:
@@ -145,6 +150,19 @@ class ResponseRun:
             return [Content(chunk.text)] if chunk.text else []
         return self._parser.feed(chunk.text) + (self._parser.finish() if chunk.is_terminal else [])
 
+    def _on_reasoning(self, text: str) -> None:
+        """The reasoning leads the output: its item is the first, open until the answer begins."""
+        item = self._open
+        if not isinstance(item, OutputReasoning):
+            self._close("completed")
+            item = OutputReasoning(id=f"rs_{uuid.uuid4().hex}", status="in_progress", content=[])
+            self._open_item(item)
+            item.content.append(ReasoningText(text=""))
+            part = ReasoningText(text="").model_dump()
+            self._emit("response.content_part.added", **self._where(item), content_index=0, part=part)
+        item.content[0].text += text
+        self._emit("response.reasoning_text.delta", **self._where(item), content_index=0, delta=text)
+
     def _on_piece(self, piece: Piece) -> None:
         if isinstance(piece, Content):
             message = self._open if isinstance(self._open, OutputMessage) else self._open_message()
@@ -171,7 +189,7 @@ class ResponseRun:
         self._emit("response.content_part.added", **self._where(message), content_index=0, part=_part(""))
         return message
 
-    def _open_item(self, item: OutputMessage | OutputFunctionCall) -> None:
+    def _open_item(self, item: OutputReasoning | OutputMessage | OutputFunctionCall) -> None:
         self.response.output.append(item)
         self._open = item
         self._emit("response.output_item.added", output_index=len(self.response.output) - 1, item=item.model_dump())
@@ -185,6 +203,10 @@ class ResponseRun:
             text = item.content[0].text
             self._emit("response.output_text.done", **self._where(item), content_index=0, text=text, logprobs=[])
             self._emit("response.content_part.done", **self._where(item), content_index=0, part=_part(text))
+        elif isinstance(item, OutputReasoning):
+            part = item.content[0]
+            self._emit("response.reasoning_text.done", **self._where(item), content_index=0, text=part.text)
+            self._emit("response.content_part.done", **self._where(item), content_index=0, part=part.model_dump())
         else:
             self._emit("response.function_call_arguments.done", **self._where(item), arguments=item.arguments)
             self.conversation.tool_calls.append(
@@ -221,6 +243,7 @@ class ResponseRun:
             input_tokens=num_prompt,
             input_tokens_details=InputTokensDetails(cached_tokens=timings.cached_tokens if timings else 0),
             output_tokens=num_output,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=timings.reasoning_tokens if timings else 0),
             total_tokens=num_prompt + num_output,
         )
         if timings is not None:
@@ -229,7 +252,7 @@ class ResponseRun:
 
     # Events.
 
-    def _where(self, item: OutputMessage | OutputFunctionCall) -> dict:
+    def _where(self, item: OutputReasoning | OutputMessage | OutputFunctionCall) -> dict:
         return {"item_id": item.id, "output_index": self.response.output.index(item)}
 
     def _snapshot(self) -> dict:

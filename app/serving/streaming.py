@@ -17,6 +17,7 @@ from typing import Literal
 
 from app.errors import OpenAIError, error_body
 from app.operations.accounting import Accounting
+from app.serving.logprobs import chat_logprobs, completion_logprobs
 from app.serving.payloads import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,16 +25,15 @@ from app.serving.payloads import (
     ChatCompletionChunk,
     ChatDelta,
     ChatResponseMessage,
-    ChatTokenLogprob,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     FunctionCallDelta,
     PromptTokensDetails,
     Timings,
     ToolCallDelta,
-    TopLogprob,
     Usage,
 )
 from app.serving.protocol import FunctionCall, ToolCall
@@ -87,6 +87,7 @@ class _Choice:
     """What the fold gathers for one choice."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     timings: engine_types.Timings | None = None
@@ -111,8 +112,15 @@ class CompletionRenderer:
     accounting: Accounting | None = None
     # Whether the output may hold tool calls (chat with tools), to be parsed out of the text.
     parses_tools: bool = False
+    # Whether the output's reasoning comes apart from its answer (a reasoning model's chat).
+    splits_reasoning: bool = False
     # Per choice: a content chunk's JSON before and after its text.
     _text_templates: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # Whether every chunk with text and nothing else is one content delta (see content_delta).
+    _text_only: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self._text_only = not (self.wants_logprobs or self.parses_tools or self.splits_reasoning)
 
     @classmethod
     def start(
@@ -126,6 +134,7 @@ class CompletionRenderer:
         accounting: Callable[[str], Accounting] | None = None,
         parses_tools: bool = False,
         completion_id: str | None = None,
+        splits_reasoning: bool = False,
     ) -> CompletionRenderer:
         """Submit the request; `accounting`, given the completion id, makes its accounting."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -140,6 +149,7 @@ class CompletionRenderer:
             token_bytes=engine.token_bytes,
             completion_id=completion_id or f"{prefix}-{uuid.uuid4().hex}",
             parses_tools=parses_tools,
+            splits_reasoning=splits_reasoning,
         )
         if accounting is not None:
             renderer.accounting = accounting(renderer.completion_id)
@@ -149,7 +159,7 @@ class CompletionRenderer:
     async def events(self) -> AsyncIterator[str]:
         """Every SSE data payload of the stream, ending in [DONE] on every path; leaving early
         cancels the request in the engine."""
-        cached_tokens = 0
+        cached_tokens = reasoning_tokens = 0
         text_offsets = [0] * self.num_choices
         parsers = [ToolCallParser() for _ in range(self.num_choices)] if self.parses_tools else None
         async with ChunkReader(self.channel, self.accounting, self.num_choices) as chunks:
@@ -163,6 +173,10 @@ class CompletionRenderer:
                 if chunk.finish_reason in ENDED_IN_ERROR:
                     yield _error_json(chunk)
                     break
+                if chunk.reasoning:
+                    # The reasoning comes first; its delta carries the chunk's logprobs.
+                    yield self._reasoning_delta(chunk)
+                    chunk = chunk._replace(logprobs=())
                 if parsers is not None:
                     parser = parsers[chunk.index]
                     pieces = parser.feed(chunk.text) + (parser.finish() if chunk.is_terminal else [])
@@ -172,11 +186,12 @@ class CompletionRenderer:
                     yield self._delta(chunk, text_offsets)
                 if chunk.is_terminal:
                     cached_tokens = max(cached_tokens, chunk.timings.cached_tokens if chunk.timings else 0)
+                    reasoning_tokens += chunk.timings.reasoning_tokens if chunk.timings else 0
                     yield self._finish(chunk, bool(parsers and parsers[chunk.index].calls()))
             else:
                 if self.include_usage:
                     # The channel's count: chunks written through (see content_delta) never pass here.
-                    yield self._usage_chunk(self.channel.read_tokens, cached_tokens)
+                    yield self._usage_chunk(self.channel.read_tokens, cached_tokens, reasoning_tokens)
             yield DONE
 
     async def fold(self) -> ChatCompletion | Completion:
@@ -192,19 +207,24 @@ class CompletionRenderer:
                 completion_tokens += len(chunk.token_ids)
                 choice = choices[chunk.index]
                 choice.text.append(chunk.text)
+                choice.reasoning.append(chunk.reasoning)
                 choice.logprobs.extend(chunk.logprobs)
                 if chunk.is_terminal:
                     choice.finish_reason, choice.timings = chunk.finish_reason.value, chunk.timings
         ids = {"id": self.completion_id, "created": self.created, "model": self.model}
         # The last choice to finish has seen the whole request through.
         last = max((c.timings for c in choices if c.timings), key=lambda t: t.ttft_ms + t.decode_ms, default=None)
-        usage = self._usage(completion_tokens, max((c.timings.cached_tokens for c in choices if c.timings), default=0))
+        usage = self._usage(
+            completion_tokens,
+            max((c.timings.cached_tokens for c in choices if c.timings), default=0),
+            sum(c.timings.reasoning_tokens for c in choices if c.timings),
+        )
         timings = timings_payload(last)
         if self.kind == "chat":
             chat_choices = [
                 ChatChoice(
                     index=index,
-                    message=self._message("".join(c.text)),
+                    message=self._message("".join(c.text), "".join(c.reasoning)),
                     logprobs=self._chat_logprobs(c.logprobs),
                     finish_reason=c.finish_reason,
                 )
@@ -225,10 +245,12 @@ class CompletionRenderer:
         ]
         return Completion(**ids, choices=text_choices, usage=usage, timings=timings)
 
-    def _message(self, text: str) -> ChatResponseMessage:
-        """The assistant's message: its text, or with tools its text and calls apart."""
+    def _message(self, text: str, reasoning: str) -> ChatResponseMessage:
+        """The assistant's message: its text, or with tools its text and calls apart; its reasoning
+        (none is absent) under both its names."""
+        thought = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
         if not self.parses_tools:
-            return ChatResponseMessage(content=text)
+            return ChatResponseMessage(content=text, **thought)
         parser = ToolCallParser()
         pieces = parser.feed(text) + parser.finish()
         content = "".join(p.text for p in pieces if isinstance(p, Content))
@@ -236,7 +258,7 @@ class CompletionRenderer:
             ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
             for call_id, name, arguments in parser.calls()
         ]
-        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=calls or None)
+        return ChatResponseMessage(content=content or (None if calls else ""), tool_calls=calls or None, **thought)
 
     # Payloads.
 
@@ -269,9 +291,13 @@ class CompletionRenderer:
         parsing), which is all `events` yields for it (its first step); None for any other chunk. The
         fast path writes these itself (app/serving/sse.py), so they must need no state of `events`.
         The hot path, once per chunk of every stream: a pre-rendered chunk with the text spliced in."""
-        if chunk.finish_reason is not None or not chunk.text or self.wants_logprobs or self.parses_tools:
+        if chunk.finish_reason is not None or not chunk.text or not self._text_only:
             return None
         return self._text_delta(chunk)
+
+    def _reasoning_delta(self, chunk: Chunk) -> str:
+        delta = ChatDelta(reasoning_content=chunk.reasoning, reasoning=chunk.reasoning)
+        return self._chat_chunk(chunk.index, delta, self._chat_logprobs(chunk.logprobs) if chunk.logprobs else None)
 
     def _delta(self, chunk: Chunk, text_offsets: list[int]) -> str:
         if not self.wants_logprobs:
@@ -322,55 +348,33 @@ class CompletionRenderer:
             id=self.completion_id, created=self.created, model=self.model, choices=[choice], timings=timings
         ).model_dump_json()
 
-    def _usage_chunk(self, completion_tokens: int, cached_tokens: int) -> str:
+    def _usage_chunk(self, completion_tokens: int, cached_tokens: int, reasoning_tokens: int) -> str:
         ids = {"id": self.completion_id, "created": self.created, "model": self.model}
-        usage = self._usage(completion_tokens, cached_tokens)
+        usage = self._usage(completion_tokens, cached_tokens, reasoning_tokens)
         if self.kind == "chat":
             return ChatCompletionChunk(**ids, choices=[], usage=usage).model_dump_json()
         return Completion(**ids, choices=[], usage=usage).model_dump_json()
 
-    def _usage(self, completion_tokens: int, cached_tokens: int) -> Usage:
+    def _usage(self, completion_tokens: int, cached_tokens: int, reasoning_tokens: int) -> Usage:
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=self.num_prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=(
+                CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if self.splits_reasoning else None
+            ),
         )
 
-    # Logprobs in OpenAI's two shapes.
-
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
-        raw = self.token_bytes.join([token_id])
-        return raw.decode("utf-8", errors="replace"), list(raw)
+    # Logprobs in OpenAI's two shapes (app/serving/logprobs.py), for requests that asked for them.
 
     def _chat_logprobs(self, logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs | None:
-        if not self.wants_logprobs:
-            return None
-        content = []
-        for entry in logprobs:
-            token, raw = self._token(entry.token_id)
-            top = [TopLogprob(token=t, logprob=lp, bytes=b) for t, b, lp in self._top(entry)]
-            content.append(ChatTokenLogprob(token=token, logprob=entry.logprob, bytes=raw, top_logprobs=top))
-        return ChoiceLogprobs(content=content)
+        return chat_logprobs(self.token_bytes, logprobs) if self.wants_logprobs else None
 
     def _completion_logprobs(
         self, logprobs: Sequence[TokenLogprob], offset: int
     ) -> tuple[CompletionLogprobs | None, int]:
-        """Completions-style logprobs for tokens whose text starts at `offset`, and the offset after them."""
-        if not self.wants_logprobs:
-            return None, offset
-        result = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for entry in logprobs:
-            token, _ = self._token(entry.token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append({t: lp for t, _, lp in self._top(entry)})
-            result.text_offset.append(offset)
-            offset += len(token)
-        return result, offset
-
-    def _top(self, entry: TokenLogprob) -> list[tuple[str, list[int], float]]:
-        return [(*self._token(token_id), logprob) for token_id, logprob in entry.top]
+        return completion_logprobs(self.token_bytes, logprobs, offset) if self.wants_logprobs else (None, offset)
 
 
 def timings_payload(timings: engine_types.Timings | None) -> Timings | None:

@@ -3,6 +3,7 @@ follows its output (the step's masks of allowed tokens are engine/sampling/masks
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -11,7 +12,8 @@ import llguidance
 import llguidance.hf
 from transformers import PreTrainedTokenizerBase
 
-from engine.types import GrammarSpec
+from engine.reasoning import ReasoningSplit
+from engine.types import GrammarSpec, Reasoning
 
 # Compact JSON (no optional whitespace): small models otherwise pad with whitespace until
 # max_tokens, and fixed separators let jump-forward emit keys and punctuation at once.
@@ -24,31 +26,58 @@ class GrammarError(ValueError):
 
 
 class Constraint:
-    """One choice's position in its grammar; advanced with every token the choice keeps."""
+    """One choice's position in its grammar; advanced with every token the choice keeps. The grammar
+    is the answer's: while the output's reasoning goes on (or may still open), it waits."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, reasoning: ReasoningSplit | None = None) -> None:
         self.matcher = matcher
+        # The output against its reasoning until the answer begins; None from then on.
+        self.reasoning = reasoning
 
     def copy(self) -> Constraint:
-        return Constraint(self.matcher.deep_copy())
+        return Constraint(self.matcher.deep_copy(), copy.copy(self.reasoning))
+
+    @property
+    def masks_next(self) -> bool:
+        """Whether the next token is masked: always in the answer; at the start, when the output may
+        open its reasoning, the grammar's tokens and the opening tag (`opening_token`); while
+        thinking, never."""
+        return self.reasoning is None or (self.reasoning.at_start and not self.reasoning.thinking)
+
+    @property
+    def opening_token(self) -> int | None:
+        """The token the next mask allows beyond the grammar's: the reasoning's opening tag."""
+        return self.reasoning.spec.start_token_id if self.reasoning is not None else None
 
     def valid_prefix(self, token_ids: list[int]) -> int:
-        """How many of `token_ids` the grammar allows next, in order (speculative proposals)."""
-        return self.matcher.validate_tokens(token_ids)
+        """How many of `token_ids` the grammar allows next, in order (speculative proposals). While
+        thinking, those before the reasoning's end: the token after the end needs the grammar's mask."""
+        if self.reasoning is None:
+            return self.matcher.validate_tokens(token_ids)
+        if not self.reasoning.thinking:
+            return 0
+        end = self.reasoning.spec.end_token_id
+        return token_ids.index(end) if end in token_ids else len(token_ids)
 
     def advance(self, token_ids: list[int]) -> bool:
         """Accept the tokens the request kept; False if the grammar refused one (its matcher
         failed: the masks never allow such a token otherwise)."""
+        if self.reasoning is not None:
+            _, taken = self.reasoning.feed(token_ids)
+            if not self.reasoning.answering:
+                return True
+            self.reasoning = None
+            token_ids = token_ids[taken:]
         return self.matcher.consume_tokens(token_ids)
 
     def forced(self) -> list[int]:
         """Tokens the grammar allows as the only continuation (jump-forward)."""
-        return self.matcher.compute_ff_tokens()
+        return self.matcher.compute_ff_tokens() if self.reasoning is None else []
 
     @property
     def done(self) -> bool:
         """Nothing but end-of-sequence may follow: the output is complete."""
-        return self.matcher.is_stopped()
+        return self.reasoning is None and self.matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -100,8 +129,9 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         return matcher
 
-    def constraint(self, spec: GrammarSpec) -> Constraint:
-        return Constraint(self.compile(spec).deep_copy())
+    def constraint(self, spec: GrammarSpec, reasoning: Reasoning | None = None) -> Constraint:
+        """A new choice's place at the start of `spec`, which waits out the output's `reasoning`."""
+        return Constraint(self.compile(spec).deep_copy(), ReasoningSplit(reasoning) if reasoning else None)
 
 
 def _llguidance_grammar(spec: GrammarSpec) -> str:

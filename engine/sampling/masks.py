@@ -88,9 +88,18 @@ class MaskComputer:
             self._bitmask = torch.empty(rows * words, dtype=torch.int32)
         bitmask = self._bitmask[: rows * words].view(rows, words)
         entries = [(request.constraint.matcher, first_row[request], drafts) for request, drafts in jobs]
-        return self._worker.submit(self._fill, entries, bitmask, first_row)
+        openings = [
+            (first_row[request], token)
+            for request, _ in jobs
+            if (token := request.constraint.opening_token) is not None
+        ]
+        return self._worker.submit(self._fill, entries, bitmask, first_row, openings)
 
-    def _fill(self, entries: list, bitmask: torch.Tensor, first_row: dict[Request, int]) -> StepMasks:
+    def _fill(
+        self, entries: list, bitmask: torch.Tensor, first_row: dict[Request, int], openings: list[tuple[int, int]]
+    ) -> StepMasks:
+        """`openings`: (row, token) where the row also allows a token the grammar does not (a
+        reasoning's opening tag, which the grammar never sees)."""
         row_bytes = bitmask.shape[1] * 4
         plain = [(matcher, row) for matcher, row, drafts in entries if not drafts]
         if plain:
@@ -100,6 +109,10 @@ class MaskComputer:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, bitmask.data_ptr(), row_bytes, bitmask.shape[0]
             )
+        for row, token in openings:
+            bit = 1 << (token & 31)
+            # The words are int32: bit 31 is the sign bit.
+            bitmask[row, token >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
         bits = (bitmask.to(self.device, non_blocking=True).unsqueeze(-1) >> self._shifts) & 1
         allowed = bits.view(bitmask.shape[0], -1).bool()
         if allowed.shape[1] < self.vocab_size:

@@ -18,11 +18,12 @@ NO_TOKENS_FOR_GRAMMAR = (
 
 def start_masks(masks: MaskComputer, plan: StepPlan) -> Future[StepMasks] | None:
     """Start the masks of the constrained requests that sample this step (they depend only on
-    tokens already kept, so they are computed while the forward runs)."""
+    tokens already kept, so they are computed while the forward runs); one still thinking has none."""
     jobs = [
         (request, plan.proposals.get(request, []))
         for request, num_new in plan.scheduled
         if request.constraint is not None
+        and request.constraint.masks_next
         and (request in plan.proposals or request.num_computed_tokens + num_new == request.num_tokens)
     ]
     return masks.start(jobs) if jobs else None

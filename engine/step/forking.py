@@ -43,7 +43,9 @@ class Choices:
             stop_matcher=StopMatcher(params.stop),
             index=index,
             # Choices forked later copy the first choice's state instead.
-            constraint=self.grammars.constraint(params.grammar) if params.grammar and index == 0 else None,
+            constraint=(
+                self.grammars.constraint(params.grammar, params.reasoning) if params.grammar and index == 0 else None
+            ),
         )
 
     def fork(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import torch
@@ -68,3 +69,31 @@ async def wait_for(predicate, timeout=10.0):
 
 def tokens_of(chunks: list[Chunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
+
+
+# A Qwen3-style chat template (ChatML) whose generation prompt opens the reasoning, as DeepSeek-R1
+# distills' templates do, unless `enable_thinking` is false, which closes it empty as Qwen3's does.
+# Earlier replies lose their reasoning, as in both.
+THINKING_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else -%}{{ '<think>\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def thinking_tokenizer(tokenizer):
+    """A copy of `tokenizer` with `<think>` and `</think>` as tokens of their own (not special, so
+    their text shows in a raw completion, as in Qwen3's vocabulary) and THINKING_TEMPLATE."""
+    thinking = copy.deepcopy(tokenizer)
+    thinking.add_tokens(["<think>", "</think>"])
+    thinking.chat_template = THINKING_TEMPLATE
+    return thinking
