@@ -152,6 +152,56 @@ def tiny_server(tiny_model_path) -> str:
     return _SHARED.get("tiny_server", *flags, "--kv-cache-gib", "0.05")
 
 
+# The conversation the thinking model is made to end its reasoning in (see thinking_model_path).
+THINKING_MESSAGES = [{"role": "user", "content": "Is 17 a prime number?"}]
+
+
+@pytest.fixture(scope="session")
+def thinking_model_path(tmp_path_factory, default_tokenizer) -> Path:
+    """A tiny random Qwen3 whose tokenizer has `<think>` and `</think>` and a chat template that opens the
+    reasoning in the generation prompt (tests/unit/helpers.py THINKING_TEMPLATE). Random weights never
+    choose to stop thinking, so `</think>`'s output row is made twice the row of the token the model
+    writes 5th for THINKING_MESSAGES: it then writes `</think>` there (or where that token's score is
+    the best before), and thinks before it and answers after it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.unit.helpers import thinking_tokenizer
+
+    tokenizer = thinking_tokenizer(default_tokenizer)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    prompt = tokenizer.apply_chat_template(THINKING_MESSAGES, add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt["input_ids"] if not isinstance(prompt, torch.Tensor) else prompt
+    written = model.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1] :]
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("</think>")] = 2 * model.lm_head.weight[written[4]]
+    folder = tmp_path_factory.mktemp("thinking-model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def thinking_server(thinking_model_path) -> str:
+    """The tiny thinking model behind a real server; its reasoning parser is found from its template."""
+    flags = ("--model", str(thinking_model_path), "--max-model-len", "256", "--kv-cache-gib", "0.05")
+    return _SHARED.get("thinking_server", *flags)
+
+
 @pytest.fixture(scope="session")
 def model_name(server) -> str:
     return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
