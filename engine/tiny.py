@@ -19,7 +19,8 @@ TINY_VOCAB = 512
 # What a family's tiny random configuration sets beyond the common shape (engine/model/families/).
 FAMILY_CONFIGS: dict[str, dict] = {
     "llama": {},
-    "mistral": {},
+    # A window shorter than the longest prompt: served through it, to the whole context.
+    "mistral": {"sliding_window": 12},
     "qwen2": {},
     "qwen3": {},
 }

@@ -322,19 +322,26 @@ void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
       for (int64_t g = 0; g < groups; ++g) column(n, g, wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes);
 }
 
-// One query head over its request's first `n` keys.
+// One query head over keys [first, n) of its request: all n of them, or with a sliding window only
+// the last ones. `softcap` > 0 caps each score at softcap * tanh(score / softcap) (Gemma 2); `sink`
+// (else -inf) is a learned logit that joins the softmax's max and denominator without a value
+// (gpt-oss), so the weights of the keys sum to less than one.
 void attend(const float* q, int64_t head_dim, const float* k_cache, const float* v_cache, int64_t slot_stride,
-            const int64_t* table, int64_t block_size, int64_t n, float scale, float* scores, float* out) {
+            const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap, float sink,
+            float* scores, float* out) {
   const int64_t vecs = head_dim / 8;
-  // Scores four keys at a time: four independent chains hide the FMA latency, and each
-  // key's chain is the same whichever group it falls in.
-  auto key_at = [&](int64_t j) {
+  // Key i of the window (position first + i) and its score, scores[i].
+  const int64_t count = n - first;
+  auto key_at = [&](int64_t i) {
+    const int64_t j = first + i;
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
     return k_cache + slot * slot_stride;
   };
+  // Scores four keys at a time: four independent chains hide the FMA latency, and each
+  // key's chain is the same whichever group it falls in.
   float best = -INFINITY;
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+  for (; j + 4 <= count; j += 4) {
     const float* keys[4] = {key_at(j), key_at(j + 1), key_at(j + 2), key_at(j + 3)};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t d = 0; d < vecs; ++d) {
@@ -348,7 +355,7 @@ void attend(const float* q, int64_t head_dim, const float* k_cache, const float*
       best = std::max(best, scores[j + i]);
     }
   }
-  for (; j < n; ++j) {
+  for (; j < count; ++j) {
     const float* key = key_at(j);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < vecs; ++d)
@@ -356,25 +363,37 @@ void attend(const float* q, int64_t head_dim, const float* k_cache, const float*
     scores[j] = hsum(acc) * scale;
     best = std::max(best, scores[j]);
   }
-  const int64_t padded = (n + 7) / 8 * 8;
-  for (int64_t j = n; j < padded; ++j) scores[j] = -INFINITY;
+  if (softcap > 0.0f) {
+    // Scalar tanhf: libm's, the same bits for the same score wherever it sits in the batch.
+    best = -INFINITY;
+    for (int64_t i = 0; i < count; ++i) {
+      scores[i] = softcap * tanhf(scores[i] / softcap);
+      best = std::max(best, scores[i]);
+    }
+  }
+  best = std::max(best, sink);
+  const int64_t padded = (count + 7) / 8 * 8;
+  for (int64_t i = count; i < padded; ++i) scores[i] = -INFINITY;
   const __m256 top = _mm256_set1_ps(best);
   __m256 total = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) {
-    const __m256 s = _mm256_loadu_ps(scores + j);
+  for (int64_t i = 0; i < padded; i += 8) {
+    const __m256 s = _mm256_loadu_ps(scores + i);
     // Padding lanes are -inf: zero them rather than trust exp's clamp.
     const __m256 real = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
     const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s, top)), real);
-    _mm256_storeu_ps(scores + j, p);
+    _mm256_storeu_ps(scores + i, p);
     total = _mm256_add_ps(total, p);
   }
-  const float inverse = 1.0f / hsum(total);
+  float sum = hsum(total);
+  if (sink != -INFINITY) sum += expf(sink - best);
+  const float inverse = 1.0f / sum;
   __m256 acc[32];
   for (int64_t d = 0; d < vecs; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = first + i;
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
     const float* value = v_cache + slot * slot_stride;
-    const __m256 p = _mm256_set1_ps(scores[j]);
+    const __m256 p = _mm256_set1_ps(scores[i]);
     for (int64_t d = 0; d < vecs; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + d * 8), acc[d]);
   }
   const __m256 norm = _mm256_set1_ps(inverse);
@@ -474,13 +493,17 @@ void sl_linear(int64_t form, int64_t scalar, const float* x, int64_t m_dim, int6
 }
 
 // out[T, H, D]: query t, head h attends to the first context_lens[t] keys of the request
-// whose block table is block_tables[table_rows[t]], in the layer's cache [slots, KVH, D].
+// whose block table is block_tables[table_rows[t]], in the layer's cache [slots, KVH, D]; with
+// window > 0 only to the last `window` of them (positions (p - window, p] for the query at p).
+// softcap > 0 caps the scores (attend); sinks (else null) holds a logit per query head.
 void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                         const float* k_cache, const float* v_cache, int64_t num_kv_heads,
                         const int64_t* block_tables, int64_t table_width, int64_t block_size,
-                        const int64_t* table_rows, const int64_t* context_lens, float scale, float* out) {
+                        const int64_t* table_rows, const int64_t* context_lens, float scale, int64_t window,
+                        float softcap, const float* sinks, float* out) {
   int64_t longest = 0;
   for (int64_t t = 0; t < num_tokens; ++t) longest = std::max(longest, context_lens[t]);
+  if (window > 0) longest = std::min(longest, window);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
 #pragma omp parallel
@@ -491,11 +514,13 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
       const int64_t t = item / num_kv_heads, kv = item % num_kv_heads;
+      const int64_t n = context_lens[t];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
         const int64_t offset = (t * num_heads + h) * head_dim;
         attend(q + offset, head_dim, k_cache + kv * head_dim, v_cache + kv * head_dim, slot_stride,
-               block_tables + table_rows[t] * table_width, block_size, context_lens[t], scale, scores.data(),
-               out + offset);
+               block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
+               sinks == nullptr ? -INFINITY : sinks[h], scores.data(), out + offset);
       }
     }
   }

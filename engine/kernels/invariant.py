@@ -135,8 +135,14 @@ def invariant_paged_attention(
     v_cache: torch.Tensor,
     meta: KernelAttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] over the cached keys and values [slots, KVH, D] (this step's already written)."""
+    """q [T, H, D] over the cached keys and values [slots, KVH, D] (this step's already written).
+    `window` > 0: a query at position p reads keys (p - window, p] only; `softcap` > 0: scores become
+    softcap * tanh(score / softcap); `sinks` [H] float32: a logit per head that joins each softmax's
+    denominator with no value."""
     q = q.contiguous()
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -154,6 +160,9 @@ def invariant_paged_attention(
         meta.table_rows.data_ptr(),
         meta.context_lens.data_ptr(),
         scale,
+        window,
+        softcap,
+        None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
     )
     return out

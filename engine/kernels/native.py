@@ -117,7 +117,25 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     library.sl_pack.restype = None
     library.sl_unpack.argtypes = [_I, _P, _I, _I, _P]
     library.sl_unpack.restype = None
-    library.sl_paged_attention.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P]
+    library.sl_paged_attention.argtypes = [
+        _P,
+        _I,
+        _I,
+        _I,
+        _P,
+        _P,
+        _I,
+        _P,
+        _I,
+        _I,
+        _P,
+        _P,
+        ctypes.c_float,
+        _I,
+        ctypes.c_float,
+        _P,
+        _P,
+    ]
     library.sl_paged_attention.restype = None
     library.sl_sample.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P]
     library.sl_sample.restype = None

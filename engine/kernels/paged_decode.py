@@ -34,9 +34,14 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [D, H, hd] (one query per decode) over a layer's cache [slots, KVH, hd]; decode i reads
-    keys 0 .. context_lens[i] - 1 of the request whose block table is block_tables[i]."""
+    keys 0 .. context_lens[i] - 1 of the request whose block table is block_tables[i]; with
+    `window` > 0 only the last `window` of them. `softcap` > 0 caps the scores (softcap * tanh(s /
+    softcap)); `sinks` [H] adds a logit per head to each softmax's denominator."""
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -50,7 +55,10 @@ def paged_decode_attention(
         out,
         block_tables,
         context_lens,
+        q if sinks is None else sinks,
         scale,
+        window,
+        softcap,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -67,6 +75,9 @@ def paged_decode_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         IEEE=q.dtype == torch.float32,
+        WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
     )
     return out
 
@@ -79,7 +90,10 @@ def _paged_decode(
     out_ptr,
     tables_ptr,
     lens_ptr,
+    sinks_ptr,
     scale,
+    window,
+    softcap,
     q_token_stride,
     q_head_stride,
     k_slot_stride,
@@ -95,6 +109,9 @@ def _paged_decode(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,13 +124,22 @@ def _paged_decode(
     )
     context = tl.load(lens_ptr + token)
     offsets = tl.arange(0, BLOCK_SIZE)
-    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_G], tl.float32)
+    # The first key the token reads; the first page read holds it, so every row sees a key there.
+    start = 0
+    if WINDOW:
+        start = tl.maximum(context - window, 0)
+    if SINKS:
+        best = tl.load(sinks_ptr + heads, mask=members < GROUP, other=0.0).to(tl.float32)
+        total = tl.full([BLOCK_G], 1.0, tl.float32)
+    else:
+        best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for page in range(0, tl.cdiv(context, BLOCK_SIZE)):
+    for page in range(start // BLOCK_SIZE, tl.cdiv(context, BLOCK_SIZE)):
         block = tl.load(tables_ptr + token * table_stride + page).to(tl.int64)
         slots = block * BLOCK_SIZE + offsets
-        inside = page * BLOCK_SIZE + offsets < context
+        position = page * BLOCK_SIZE + offsets
+        inside = (position < context) & (position >= start)
         kv_mask = inside[:, None] & (dims < HEAD_DIM)[None, :]
         k = tl.load(
             k_ptr + slots[:, None] * k_slot_stride + kv_head * k_head_stride + dims[None, :], mask=kv_mask, other=0.0
@@ -122,7 +148,9 @@ def _paged_decode(
         v = tl.load(
             v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :], mask=kv_mask, other=0.0
         )
-        best, total, acc = attend_block(q, k, v, inside[None, :], best, total, acc, scale, IEEE)
+        best, total, acc = attend_block(
+            q, k, v, inside[None, :], best, total, acc, scale, softcap, IEEE, SOFTCAP, False
+        )
     out = acc / total[:, None]
     tl.store(
         out_ptr + token * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],

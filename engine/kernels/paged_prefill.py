@@ -40,13 +40,17 @@ def paged_prefill_attention(
     tiles: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Writes out[t] for every query t of the prefill chunks; other rows of `out` are left alone.
 
     q, out [T, H, hd] are the whole step's tokens; the layer's cache [slots, KVH, hd] already holds
     this step's keys and values. Chunk c is chunks[c] = (first token in q, tokens, tokens of its
     request cached before it) and reads its request's blocks block_tables[c]. tiles[i] = (chunk,
-    first query of the chunk) lists each program's queries_per_tile() tokens."""
+    first query of the chunk) lists each program's queries_per_tile() tokens. `window`, `softcap` and
+    `sinks` as in paged_decode_attention."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -61,7 +65,10 @@ def paged_prefill_attention(
         block_tables,
         chunks,
         tiles,
+        q if sinks is None else sinks,
         scale,
+        window,
+        softcap,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -78,6 +85,9 @@ def paged_prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         IEEE=q.dtype == torch.float32,
+        WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
     )
 
 
@@ -90,7 +100,10 @@ def _paged_prefill(
     tables_ptr,
     chunks_ptr,
     tiles_ptr,
+    sinks_ptr,
     scale,
+    window,
+    softcap,
     q_token_stride,
     q_head_stride,
     k_slot_stride,
@@ -107,6 +120,9 @@ def _paged_prefill(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,10 +149,18 @@ def _paged_prefill(
     position = num_cached + query
     last = num_cached + tl.minimum(first_query + BLOCK_Q, chunk_len)
     offsets = tl.arange(0, BLOCK_SIZE)
-    best = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    # The first key any query of the tile reads: the window's start for its first query.
+    start = 0
+    if WINDOW:
+        start = tl.maximum(num_cached + first_query - window + 1, 0)
+    if SINKS:
+        best = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32)
+        total = tl.full([BLOCK_Q * BLOCK_G], 1.0, tl.float32)
+    else:
+        best = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    for page in range(0, tl.cdiv(last, BLOCK_SIZE)):
+    for page in range(start // BLOCK_SIZE, tl.cdiv(last, BLOCK_SIZE)):
         block = tl.load(tables_ptr + chunk * table_stride + page).to(tl.int64)
         slots = block * BLOCK_SIZE + offsets
         key_position = page * BLOCK_SIZE + offsets
@@ -148,9 +172,12 @@ def _paged_prefill(
         v = tl.load(
             v_ptr + slots[:, None] * v_slot_stride + kv_head * v_head_stride + dims[None, :], mask=kv_mask, other=0.0
         )
-        # Every row sees key 0 on the first page, so `best` is finite from then on.
+        # Without a window every row sees key 0 on the first page, so `best` is finite from then on;
+        # with one, a later query's window may start pages later (SPARSE).
         visible = key_position[None, :] <= position[:, None]
-        best, total, acc = attend_block(q, k, v, visible, best, total, acc, scale, IEEE)
+        if WINDOW:
+            visible = visible & (key_position[None, :] > position[:, None] - window)
+        best, total, acc = attend_block(q, k, v, visible, best, total, acc, scale, softcap, IEEE, SOFTCAP, WINDOW)
     result = acc / total[:, None]
     tl.store(
         out_ptr + token[:, None] * out_token_stride + head[:, None] * out_head_stride + dims[None, :],

@@ -121,6 +121,8 @@ class TorchMetadata:
     decode_slots: torch.Tensor | None
     # [D, 1, 1, L] True for slots inside each decode's context.
     decode_mask: torch.Tensor | None
+    # [D, 1, 1, 1] keys each decode attends to, for a sliding window's mask; None without decodes.
+    decode_lens: torch.Tensor | None
     prefills: tuple[PrefillChunk, ...]
 
     @classmethod
@@ -134,10 +136,10 @@ class TorchMetadata:
                 prefills.append(_prefill_chunk(segment, offset, block_size, device))
             offset += num_new
         decodes = [segment for segment in segments if len(segment.token_ids) == 1]
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = decode_lens = None
         if decodes:
-            decode_slots, decode_mask = _decode_context(decodes, block_size, device)
-        return cls(slot_mapping, len(decodes), decode_slots, decode_mask, tuple(prefills))
+            decode_slots, decode_mask, decode_lens = _decode_context(decodes, block_size, device)
+        return cls(slot_mapping, len(decodes), decode_slots, decode_mask, decode_lens, tuple(prefills))
 
     def attend(
         self,
@@ -147,7 +149,12 @@ class TorchMetadata:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if window or softcap or sinks is not None:
+            return self._attend_variant(q, k, v, k_cache, v_cache, scale, window, softcap, sinks)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         out = torch.empty_like(q)
@@ -178,6 +185,55 @@ class TorchMetadata:
                 enable_gqa=True,
             )
             out[chunk.start : end] = oc.transpose(0, 1)
+        return out
+
+    def _attend_variant(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`attend` with a sliding window, soft-capped scores or sinks: the same calls, each with an
+        explicit mask, on `masked_attention`."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(q)
+        num_decodes = self.num_decode_tokens
+        if num_decodes:
+            qd = q[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
+            kd = k_cache[self.decode_slots].transpose(1, 2)
+            vd = v_cache[self.decode_slots].transpose(1, 2)
+            mask = self.decode_mask
+            if window:
+                keys = torch.arange(mask.shape[-1], device=q.device)
+                mask = mask & (keys >= self.decode_lens - window)
+            head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1)
+            od = masked_attention(qd, kd, vd, mask, scale, softcap, head_sinks)
+            out[:num_decodes] = od.reshape(num_decodes, num_heads, head_dim)
+        for chunk in self.prefills:
+            end = chunk.start + chunk.num_tokens
+            if chunk.context_slots is None:
+                kc, vc = k[chunk.start : end], v[chunk.start : end]
+            else:
+                kc, vc = k_cache[chunk.context_slots], v_cache[chunk.context_slots]
+            context_len = kc.shape[0]
+            keys = torch.arange(context_len, device=q.device)
+            queries = torch.arange(context_len - chunk.num_tokens, context_len, device=q.device).unsqueeze(1)
+            mask = keys <= queries
+            if window:
+                mask = mask & (keys > queries - window)
+            qc = q[chunk.start : end].transpose(0, 1)
+            kc = kc.transpose(0, 1).repeat_interleave(group, 0)
+            vc = vc.transpose(0, 1).repeat_interleave(group, 0)
+            head_sinks = None if sinks is None else sinks.view(num_heads, 1, 1)
+            out[chunk.start : end] = masked_attention(qc, kc, vc, mask, scale, softcap, head_sinks).transpose(0, 1)
         return out
 
 
@@ -239,17 +295,40 @@ class TritonMetadata:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         if self.decode is not None:
             decode, num_decodes = self.decode, self.num_decode_tokens
             out[:num_decodes] = decode.kernel(
-                q[:num_decodes], k_cache, v_cache, decode.block_tables, decode.context_lens, decode.block_size, scale
+                q[:num_decodes],
+                k_cache,
+                v_cache,
+                decode.block_tables,
+                decode.context_lens,
+                decode.block_size,
+                scale,
+                window,
+                softcap,
+                sinks,
             )
         if self.prefill is not None:
             prefill = self.prefill
             prefill.kernel(
-                q, k_cache, v_cache, out, prefill.block_tables, prefill.chunks, prefill.tiles, prefill.block_size, scale
+                q,
+                k_cache,
+                v_cache,
+                out,
+                prefill.block_tables,
+                prefill.chunks,
+                prefill.tiles,
+                prefill.block_size,
+                scale,
+                window,
+                softcap,
+                sinks,
             )
         return out
 
@@ -292,8 +371,11 @@ class InvariantMetadata:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return invariant_paged_attention(q, k_cache, v_cache, self.kernel, scale)
+        return invariant_paged_attention(q, k_cache, v_cache, self.kernel, scale, window, softcap, sinks)
 
 
 AttentionMetadata = TorchMetadata | TritonMetadata | InvariantMetadata
@@ -307,11 +389,48 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, hd], k/v [T, KVH, hd] → [T, H, hd]; writes this step's K/V into the cache first."""
+    """q [T, H, hd], k/v [T, KVH, hd] → [T, H, hd]; writes this step's K/V into the cache first.
+
+    The variants, each off by default: `window` > 0, a query at position p reads keys (p - window, p]
+    only (a sliding window); `softcap` > 0, scores become softcap * tanh(score / softcap); `sinks`
+    [H] float32, a learned logit per head that joins each softmax's max and denominator but adds no
+    value (gpt-oss)."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if window or softcap or sinks is not None:
+        return meta.attend(q, k, v, k_cache, v_cache, scale, window, softcap, sinks)
     return meta.attend(q, k, v, k_cache, v_cache, scale)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Softmax attention of q [..., M, hd] over k, v [..., N, hd] where `mask` [..., M, N] is True, as
+    transformers computes the variants: SDPA for a window alone, else scores soft-capped, masked, the
+    sinks (broadcast to [..., M, 1]) appended as one more logit per row, softmax, and their column dropped."""
+    if not softcap and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, sink_column), dim=-1)
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return weights @ v
 
 
 def block_tables(segments: Sequence[Segment], block_size: int, device: torch.device) -> torch.Tensor:
@@ -339,13 +458,15 @@ def _prefill_chunk(segment: Segment, batch_start: int, block_size: int, device: 
 
 def _decode_context(
     decodes: Sequence[Segment], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots of every decode's context, padded to the longest, and the mask of real ones."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots of every decode's context, padded to the longest, the mask of real ones and the contexts'
+    lengths [D, 1, 1, 1]."""
     context_lens = [segment.start + 1 for segment in decodes]
     max_len = max(context_lens)
     max_blocks = -(-max_len // block_size)
     tables = table_tensor([segment.request.block_table for segment in decodes], max_blocks, device)
     offsets = torch.arange(block_size, device=device)
     slots = (tables.unsqueeze(-1) * block_size + offsets).view(len(decodes), -1)[:, :max_len]
-    mask = torch.arange(max_len, device=device).unsqueeze(0) < long_tensor(context_lens, device).unsqueeze(1)
-    return slots, mask.view(len(decodes), 1, 1, max_len)
+    lens = long_tensor(context_lens, device).view(len(decodes), 1, 1, 1)
+    mask = torch.arange(max_len, device=device) < lens
+    return slots, mask, lens

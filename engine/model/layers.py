@@ -26,9 +26,10 @@ class Rotary:
     sin: torch.Tensor
 
     @classmethod
-    def of(cls, rotary_emb: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> Rotary:
-        """The tables of the model's Hugging Face rotary module (any of its scalings) at `positions`."""
-        cos, sin = rotary_emb(hidden[None], positions[None])
+    def of(cls, rotary_emb: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, *args: str) -> Rotary:
+        """The tables of the model's Hugging Face rotary module (any of its scalings) at `positions`; `args`
+        are the module's own after the positions (Gemma 3's layer type)."""
+        cos, sin = rotary_emb(hidden[None], positions[None], *args)
         return cls(cos[0].unsqueeze(1), sin[0].unsqueeze(1))
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +65,21 @@ class LayerOps:
         replaced = self.norms.get(norm)
         return norm(x) if replaced is None else replaced(x)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [T, H, hd], k/v [T, KVH, hd] of layer `layer` → [T, H, hd]; stores k/v in the cache first."""
-        return paged_attention(q, k, v, self.kv_cache.key[layer], self.kv_cache.value[layer], self.meta, scale)
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, hd], k/v [T, KVH, hd] of layer `layer` → [T, H, hd]; stores k/v in the cache first.
+        The variants (a sliding window, soft-capped scores, sinks) are paged_attention's, off by default."""
+        key, value = self.kv_cache.key[layer], self.kv_cache.value[layer]
+        return paged_attention(q, k, v, key, value, self.meta, scale, window, softcap, sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +91,18 @@ class AttentionShape:
 
 
 def self_attention(
-    ops: LayerOps, layer: int, attn: torch.nn.Module, x: torch.Tensor, rotary: Rotary | None, shape: AttentionShape
+    ops: LayerOps,
+    layer: int,
+    attn: torch.nn.Module,
+    x: torch.Tensor,
+    rotary: Rotary | None,
+    shape: AttentionShape,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Llama's attention block over x [T, hidden]: separate q/k/v projections, per-head RMSNorm of q and k
-    where the module has them (Qwen3, Gemma 3), rotary unless `rotary` is None, and the output projection."""
+    where the module has them (Qwen3, Gemma 3), rotary unless `rotary` is None, and the output projection.
+    `window` and `softcap`: the attention variants of LayerOps.attend, off by default."""
     num_tokens = x.shape[0]
     q = ops.project(attn.q_proj, x).view(num_tokens, shape.num_heads, shape.head_dim)
     k = ops.project(attn.k_proj, x).view(num_tokens, shape.num_kv_heads, shape.head_dim)
@@ -90,7 +111,7 @@ def self_attention(
         q, k = ops.normalize(attn.q_norm, q), ops.normalize(attn.k_norm, k)
     if rotary is not None:
         q, k = rotary.apply(q), rotary.apply(k)
-    o = ops.attend(layer, q, k, v, shape.scale)
+    o = ops.attend(layer, q, k, v, shape.scale, window, softcap)
     return ops.project(attn.o_proj, o.view(num_tokens, -1))
 
 

@@ -186,7 +186,7 @@ def load_model(
         name=name,
         path=path,
         eos_token_ids=eos,
-        max_position_embeddings=_context_length(hf_model.config),
+        max_position_embeddings=hf_model.config.max_position_embeddings,
         cpu_kernels=load_library(cache_dir) if torch_device.type == "cpu" else None,
     )
 
@@ -286,17 +286,6 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
     }
     paged.use_gpu_kernels(linears, norms)
     logger.info("batch-invariant GPU kernels for %d linear layers and %d norms", len(linears), len(norms))
-
-
-def _context_length(config) -> int:
-    """The model's usable context: paged attention here attends to every cached token, so a
-    model trained with a sliding window is exact only up to that window."""
-    length = config.max_position_embeddings
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
-    if window and uses_window:
-        length = min(length, window)
-    return length
 
 
 def _eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

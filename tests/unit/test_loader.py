@@ -3,7 +3,7 @@ import torch
 
 from engine.model.families import UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
-from engine.tiny import tiny_hf_model
+from engine.tiny import FAMILY_CONFIGS, tiny_hf_model
 from tests.conftest import CACHE_DIR
 
 
@@ -49,10 +49,10 @@ def test_batch_invariant_loading_moves_every_linear_layer_onto_the_kernels(tmp_p
     assert bf16.model.kernels is None
 
 
-def test_mistral_context_is_capped_at_its_sliding_window():
-    from transformers import MistralConfig
-
-    from engine.model.loader import _context_length
-
-    config = MistralConfig(max_position_embeddings=32768, sliding_window=4096)
-    assert _context_length(config) == 4096
+def test_mistral_with_a_sliding_window_serves_its_whole_context_through_the_window(tmp_path, default_tokenizer):
+    tiny_hf_model("mistral").save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), CACHE_DIR, device="cpu", dtype="auto")
+    window = FAMILY_CONFIGS["mistral"]["sliding_window"]
+    assert loaded.max_position_embeddings == 1024 > window
+    assert loaded.model.family.windows == (window, window)

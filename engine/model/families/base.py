@@ -36,6 +36,13 @@ class DecoderFamily:
         )
         # Per token and layer, the widest activation of the MLP (memory sizing reads it).
         self.intermediate_size = config.intermediate_size
+        # Each layer's sliding window (keys a query reads, itself included), 0 for none: the attention
+        # module's own where it has one (it is None on a global layer), else the config's for every
+        # layer (Mistral's).
+        config_window = getattr(config, "sliding_window", None)
+        self.windows = tuple(
+            int(getattr(layer.self_attn, "sliding_window", config_window) or 0) for layer in inner.layers
+        )
 
     # Whether `logits` changes the head's output (the head's per-block maxima then no longer hold).
     transforms_logits: ClassVar[bool] = False

@@ -1,5 +1,6 @@
-"""Llama and the families that share its decoder layer exactly: Mistral, Qwen2 (biases on q/k/v, which
-the projections carry), Qwen3 (per-head RMSNorm of q and k, which self_attention finds on the module)."""
+"""Llama and the families that share its decoder layer exactly: Mistral (a sliding window on every
+layer), Qwen2 (biases on q/k/v, which the projections carry), Qwen3 (per-head RMSNorm of q and k, which
+self_attention finds on the module); Qwen2 and Qwen3 may slide on some layers."""
 
 from __future__ import annotations
 
@@ -16,5 +17,5 @@ class Llama(DecoderFamily):
         self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary
     ) -> torch.Tensor:
         x = ops.normalize(layer.input_layernorm, hidden)
-        hidden = hidden + self_attention(ops, index, layer.self_attn, x, rotary, self.attention)
+        hidden = hidden + self_attention(ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index])
         return hidden + gated_mlp(ops, layer.mlp, ops.normalize(layer.post_attention_layernorm, hidden))

@@ -1,0 +1,162 @@
+"""The attention variants (a sliding window, soft-capped scores, sinks) on every attention backend, through
+the metadata each builds from a step's segments, against a float64 softmax: torch's SDPA path, the
+batch-invariant CPU kernel (also bit for bit the same for a request alone as in the batch), and the GPU's
+Triton kernels (in Triton's interpreter where there is no GPU)."""
+
+import importlib.util
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.kernels.native import load_library
+from engine.model.attention import (
+    GpuAttention,
+    InvariantMetadata,
+    TorchMetadata,
+    TritonMetadata,
+    paged_attention,
+)
+from tests.conftest import CACHE_DIR
+
+BLOCK_SIZE = 16
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+NUM_BLOCKS = 24
+SCALE = HEAD_DIM**-0.5
+# (tokens cached before, tokens computed this step) per request: two decodes, a chunk after cached
+# tokens whose window starts blocks in, a prompt from position 0 longer than the window.
+SHAPES = [(40, 1), (5, 1), (30, 20), (0, 23)]
+WINDOW = 7
+SOFTCAP = 1.5
+VARIANTS = {
+    "window": dict(window=WINDOW),
+    "softcap": dict(softcap=SOFTCAP),
+    "sinks": dict(sinks=True),
+    "all": dict(window=WINDOW, softcap=SOFTCAP, sinks=True),
+}
+
+
+def _step(generator):
+    """Segments of SHAPES over blocks scattered through the cache, and the step's tensors."""
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    segments, slots, positions, rows = [], [], [], array("q")
+    for row, (cached, num_new) in enumerate(SHAPES):
+        end = cached + num_new
+        table = [free.pop() for _ in range(-(-end // BLOCK_SIZE))]
+        request = SimpleNamespace(block_table=table)
+        segments.append(SimpleNamespace(request=request, start=cached, token_ids=[0] * num_new))
+        for p in range(cached, end):
+            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            positions.append(p)
+            rows.append(row)
+    return segments, torch.tensor(slots), torch.tensor(positions), rows
+
+
+def _reference(q, k_cache, v_cache, segments, window=0, softcap=0.0, sinks=None):
+    """Each query over its request's keys in float64: scores, capped, masked to the window, softmax
+    with the sink as one more logit."""
+    out = []
+    for segment in segments:
+        table = segment.request.block_table
+        for p in range(segment.start, segment.start + len(segment.token_ids)):
+            first = max(0, p - window + 1) if window else 0
+            slots = torch.tensor([table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(first, p + 1)])
+            k = k_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
+            v = v_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
+            token = q[len(out)].double()
+            scores = torch.einsum("hd,jhd->hj", token, k) * SCALE
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            if sinks is not None:
+                scores = torch.cat((scores, sinks.double().unsqueeze(1)), dim=1)
+            weights = torch.softmax(scores, dim=1)[:, : len(slots)]
+            out.append(torch.einsum("hj,jhd->hd", weights, v))
+    return torch.stack(out).float()
+
+
+def _triton_metadata(segments, slot_mapping, positions, rows):
+    from engine.kernels import paged_decode, paged_prefill
+
+    kernels = GpuAttention(
+        paged_decode.paged_decode_attention,
+        paged_prefill.paged_prefill_attention,
+        paged_prefill.queries_per_tile(HEADS // KV_HEADS),
+    )
+    return TritonMetadata.build(kernels, segments, slot_mapping, BLOCK_SIZE)
+
+
+def _invariant_metadata(segments, slot_mapping, positions, rows):
+    return InvariantMetadata.build(load_library(CACHE_DIR), segments, slot_mapping, positions, rows, BLOCK_SIZE)
+
+
+def _torch_metadata(segments, slot_mapping, positions, rows):
+    return TorchMetadata.build(segments, slot_mapping, BLOCK_SIZE)
+
+
+BACKENDS = [
+    pytest.param(_torch_metadata, id="torch"),
+    pytest.param(_invariant_metadata, id="invariant"),
+    pytest.param(
+        _triton_metadata,
+        id="triton",
+        marks=[
+            pytest.mark.interpreter,
+            pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the GPU kernels are Triton's"),
+        ],
+    ),
+]
+
+
+def _inputs(seed):
+    generator = torch.Generator().manual_seed(seed)
+    segments, slot_mapping, positions, rows = _step(generator)
+    num_tokens = len(positions)
+    # Scores of a few units, so the cap of 1.5 bites.
+    q = 3 * torch.randn(num_tokens, HEADS, HEAD_DIM, generator=generator)
+    k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator)
+    v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=generator)
+    cache = [torch.randn(NUM_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2)]
+    sinks = torch.randn(HEADS, generator=generator)
+    return segments, slot_mapping, positions, rows, q, k, v, cache, sinks
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("metadata", BACKENDS)
+def test_each_variant_matches_a_float64_softmax(metadata, variant):
+    segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=len(variant))
+    options = {**variant, "sinks": sinks if variant.get("sinks") else None}
+    meta = metadata(segments, slot_mapping, positions, rows)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, **options)
+    expected = _reference(q, k_cache, v_cache, segments, **options)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
+def test_the_cpu_kernel_gives_a_request_the_same_bits_alone_as_in_the_batch(variant):
+    segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=7)
+    options = {**variant, "sinks": sinks if variant.get("sinks") else None}
+    together = paged_attention(
+        q, k, v, k_cache, v_cache, _invariant_metadata(segments, slot_mapping, positions, rows), SCALE, **options
+    )
+    first = 0
+    for segment in segments:
+        tokens = slice(first, first + len(segment.token_ids))
+        alone = _invariant_metadata(
+            [segment], slot_mapping[tokens], positions[tokens], array("q", [0] * len(segment.token_ids))
+        )
+        out = paged_attention(q[tokens], k[tokens], v[tokens], k_cache, v_cache, alone, SCALE, **options)
+        assert torch.equal(out, together[tokens]), segment.start
+        first = tokens.stop
+
+
+def test_the_variants_off_are_plain_causal_attention():
+    """The defaults change nothing: the same bits as passing each variant off explicitly, and a window
+    longer than every context is no window."""
+    segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), _ = _inputs(seed=3)
+    for metadata in (_torch_metadata, _invariant_metadata):
+        meta = metadata(segments, slot_mapping, positions, rows)
+        plain = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE)
+        torch.testing.assert_close(plain, _reference(q, k_cache, v_cache, segments), rtol=1e-5, atol=1e-5)
+        wide = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, window=1000)
+        torch.testing.assert_close(wide, plain, rtol=1e-6, atol=1e-6)
