@@ -18,6 +18,23 @@ TINY_VOCAB = 512
 
 # What a family's tiny random configuration sets beyond the common shape (engine/model/families/).
 FAMILY_CONFIGS: dict[str, dict] = {
+    # Sliding and global layers alternating, a window shorter than the longest prompt, both caps biting,
+    # a query_pre_attn_scalar that is not head_dim.
+    "gemma2": {
+        "num_hidden_layers": 4,
+        "sliding_window": 12,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0,
+        "query_pre_attn_scalar": 24,
+    },
+    # Local and global layers with their own rotary bases, QK-norm.
+    "gemma3_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 12,
+        "final_logit_softcapping": 5.0,
+        "query_pre_attn_scalar": 24,
+    },
     "llama": {},
     # A window shorter than the longest prompt: served through it, to the whole context.
     "mistral": {"sliding_window": 12},

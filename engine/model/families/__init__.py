@@ -7,9 +7,11 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from engine.model.families.base import DecoderFamily
+from engine.model.families.gemma2 import Gemma2
+from engine.model.families.gemma3 import Gemma3
 from engine.model.families.llama import Llama
 
-FAMILIES: tuple[type[DecoderFamily], ...] = (Llama,)
+FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, Llama)
 
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
