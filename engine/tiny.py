@@ -35,11 +35,33 @@ FAMILY_CONFIGS: dict[str, dict] = {
         "final_logit_softcapping": 5.0,
         "query_pre_attn_scalar": 24,
     },
+    # Multipliers far from 1 (attention's from 1/sqrt(head_dim)), so that leaving any one out changes the output.
+    "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.5),
     "llama": {},
     # A window shorter than the longest prompt: served through it, to the whole context.
     "mistral": {"sliding_window": 12},
+    "olmo2": {},
+    # As Phi-4-mini: LongRoPE over half of each head. Every prompt is longer than the pretraining length, so
+    # Hugging Face too rotates it by the long factors throughout.
+    "phi3": dict(
+        # Its default token ids are outside the tiny vocabulary.
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=2,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            short_factor=[1.0, 1.2, 1.5, 2.0],
+            long_factor=[1.0, 3.0, 9.0, 27.0],
+        ),
+    ),
     "qwen2": {},
     "qwen3": {},
+    # Layer 0 rotates q and k, layer 1 does not. Its default token ids are outside the tiny vocabulary.
+    "smollm3": dict(no_rope_layers=[1, 0], bos_token_id=1, eos_token_id=2, pad_token_id=0),
 }
 
 

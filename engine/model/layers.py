@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, paged_attention
@@ -39,6 +40,38 @@ class Rotary:
             return x * self.cos + _rotate_half(x) * self.sin
         rotated, passed = x[..., :width], x[..., width:]
         return torch.cat((rotated * self.cos + _rotate_half(rotated) * self.sin, passed), dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class LongRope:
+    """LongRoPE's tables (the 128k-context Phi-3 and Phi-3.5, Phi-4-mini), with one set of factors for every token.
+
+    Hugging Face rotates a sequence by the short factors while it fits the pretraining length
+    (`original_max_position_embeddings`) and, the step it grows past it, computes the whole sequence again
+    with the long factors. A server that serves the longer context cannot recompute a request's cache as
+    it crosses that length, and rotating some tokens of a step by other factors than the rest would make a
+    token's output depend on what shares its step (and its keys disagree with later queries): here every
+    token takes the long factors where the model's context exceeds the pretraining length, as Hugging Face
+    does for any sequence longer than it; a shorter sequence gets the short factors in Hugging Face."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+
+    @classmethod
+    def of(cls, rotary_emb: torch.nn.Module) -> LongRope:
+        """The factors of the model's Hugging Face rotary module, whose rope_type is "longrope"."""
+        config = rotary_emb.config
+        original_max = config.rope_parameters["original_max_position_embeddings"]
+        inv_freq = rotary_emb.original_inv_freq
+        if config.max_position_embeddings > original_max:
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, inv_freq.device, seq_len=original_max + 1)
+        return cls(inv_freq.float(), rotary_emb.attention_scaling)
+
+    def at(self, hidden: torch.Tensor, positions: torch.Tensor) -> Rotary:
+        freqs = positions[:, None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos() * self.scaling, angles.sin() * self.scaling
+        return Rotary(cos.to(hidden.dtype).unsqueeze(1), sin.to(hidden.dtype).unsqueeze(1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +145,31 @@ def self_attention(
     if rotary is not None:
         q, k = rotary.apply(q), rotary.apply(k)
     o = ops.attend(layer, q, k, v, shape.scale, window, softcap)
+    return ops.project(attn.o_proj, o.view(num_tokens, -1))
+
+
+def attention_heads(
+    ops: LayerOps,
+    layer: int,
+    attn: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: Rotary | None,
+    shape: AttentionShape,
+    window: int = 0,
+) -> torch.Tensor:
+    """An attention block from its projections q [T, H * hd] and k/v [T, KVH * hd], for families that project
+    or normalize them otherwise than self_attention does (fused q/k/v, a norm over the whole projection):
+    split into heads, rotary unless `rotary` is None, paged attention (within a sliding `window`, 0 for
+    none) and the output projection."""
+    num_tokens = q.shape[0]
+    q = q.view(num_tokens, shape.num_heads, shape.head_dim)
+    k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    if rotary is not None:
+        q, k = rotary.apply(q), rotary.apply(k)
+    o = ops.attend(layer, q, k, v, shape.scale, window)
     return ops.project(attn.o_proj, o.view(num_tokens, -1))
 
 

@@ -28,14 +28,23 @@ SAMPLING_KINDS = [
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face's own greedy decoding of `prompt`: the reference the paged forward must reproduce."""
+    return [token for token, _ in hf_greedy_logprobs(hf_model, prompt, max_new_tokens)]
+
+
+def hf_greedy_logprobs(hf_model, prompt: list[int], max_new_tokens: int) -> list[tuple[int, float]]:
+    """hf_greedy's tokens, each with its logprob under the model's own logits."""
     out = hf_model.generate(
         torch.tensor([prompt]),
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    return out[0, len(prompt) :].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(out.logits, tokens)]
+    return list(zip(tokens, logprobs))
 
 
 def make_request(

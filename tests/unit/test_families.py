@@ -1,6 +1,7 @@
 """Every model family Sluice serves, on a tiny random model it builds: token for token Hugging Face's own
-greedy `generate` in float32, on torch's kernels and on the batch-invariant ones, and on the latter the
-same tokens and logprobs alone, in a mixed batch, chunked, and from the prefix cache."""
+greedy `generate` in float32 (and its logprobs, to float32's rounding), on torch's kernels and on the
+batch-invariant ones, and on the latter the same tokens and logprobs alone, in a mixed batch, chunked, and
+from the prefix cache."""
 
 import asyncio
 
@@ -10,7 +11,7 @@ from engine.model.families import SUPPORTED_MODEL_TYPES
 from engine.tiny import FAMILY_CONFIGS, tiny_engine, tiny_hf_model, tiny_loaded
 from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
-from tests.unit.helpers import collect, hf_greedy, tokens_of
+from tests.unit.helpers import collect, hf_greedy_logprobs, tokens_of
 
 PROMPTS = [list(range(20, 60)), [5, 9, 13], [7] * 11]
 NEW_TOKENS = 32
@@ -37,10 +38,13 @@ async def _run(loaded, prompts, **config):
 async def test_greedy_matches_hf_generate_in_a_chunked_mixed_batch(default_tokenizer, model_type, kernels):
     loaded = tiny_loaded(default_tokenizer, model_type, kernels_cache=CACHE_DIR if kernels else None)
     reference = tiny_hf_model(model_type)  # same seed, same weights
-    expected = [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+    expected = [hf_greedy_logprobs(reference, p, NEW_TOKENS) for p in PROMPTS]
     # A budget of 7 tokens and blocks of 4 force chunked prefill across block edges, mixed with decodes.
     results = await _run(loaded, PROMPTS, max_num_batched_tokens=7, block_size=4)
-    assert [tokens_of(r) for r in results] == expected
+    assert [tokens_of(r) for r in results] == [[token for token, _ in e] for e in expected]
+    # A change of the logits that keeps their order (a scaling, a soft cap) shows in the logprobs alone.
+    logprobs = [[lp.logprob for chunk in chunks for lp in chunk.logprobs] for chunks in results]
+    assert logprobs == [pytest.approx([lp for _, lp in e], abs=1e-4) for e in expected]
 
 
 def _tokens_and_logprobs(results):

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from transformers import PreTrainedModel
 
-from engine.model.layers import AttentionShape, LayerOps, Rotary
+from engine.model.layers import AttentionShape, LayerOps, LongRope, Rotary
 
 
 class DecoderFamily:
@@ -26,6 +26,10 @@ class DecoderFamily:
         self.config = config
         inner = hf_model.model
         self.rotary_emb = inner.rotary_emb
+        # LongRoPE takes one set of factors here, where Hugging Face's module picks them per forward.
+        self._long_rope = (
+            LongRope.of(self.rotary_emb) if getattr(self.rotary_emb, "rope_type", None) == "longrope" else None
+        )
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.attention = AttentionShape(
@@ -51,6 +55,8 @@ class DecoderFamily:
         return embed_tokens(input_ids)
 
     def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> Rotary:
+        if self._long_rope is not None:
+            return self._long_rope.at(hidden, positions)
         return Rotary.of(self.rotary_emb, hidden, positions)
 
     def layer(

@@ -1,0 +1,25 @@
+"""OLMo 2 (model_type olmo2): its norms follow the attention and the MLP, normalizing their outputs before
+the residual add, where Llama's precede them; q and k are normalized over the whole projection, before
+the split into heads."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.families.base import DecoderFamily
+from engine.model.layers import LayerOps, Rotary, attention_heads, gated_mlp
+
+
+class Olmo2(DecoderFamily):
+    model_types = ("olmo2",)
+
+    def layer(
+        self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary
+    ) -> torch.Tensor:
+        attn = layer.self_attn
+        q = ops.normalize(attn.q_norm, ops.project(attn.q_proj, hidden))
+        k = ops.normalize(attn.k_norm, ops.project(attn.k_proj, hidden))
+        v = ops.project(attn.v_proj, hidden)
+        attended = attention_heads(ops, index, attn, q, k, v, rotary, self.attention, self.windows[index])
+        hidden = hidden + ops.normalize(layer.post_attention_layernorm, attended)
+        return hidden + ops.normalize(layer.post_feedforward_layernorm, gated_mlp(ops, layer.mlp, hidden))
