@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ERROR_RESPONSES, install_error_handlers, install_openapi
 from app.operations.front_door import FrontDoor
 from app.routes import chat, completions, health, models, playground, responses, streams
 from app.settings import Settings
 from app.state import ServerState, build_state
+from engine.model.families import ModelFolderError
 from engine.model.host_memory import keep_freed_memory, return_freed_memory, tune_collector
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ class _SluiceApp(FastAPI):
         super().__init__(**kwargs)
         self.max_request_bytes = max_request_bytes
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            send = _refusal_in_one_line(send)
+        await super().__call__(scope, receive, send)
+
     def build_middleware_stack(self) -> ASGIApp:
         return FrontDoor(
             super().build_middleware_stack(),
@@ -59,6 +66,20 @@ class _SluiceApp(FastAPI):
             metrics=lambda: self.state.sluice.metrics if hasattr(self.state, "sluice") else None,
             audit=lambda: self.state.sluice.audit if hasattr(self.state, "sluice") else None,
         )
+
+
+def _refusal_in_one_line(send: Send) -> Send:
+    """A model folder refused at start-up is reported by its one-line message (the file and what it lacks)
+    where Starlette sends the failed start-up's traceback, which uvicorn logs before it exits with 3."""
+
+    async def sending(message: Message) -> None:
+        # Starlette sends the failure from inside its `except` block: the exception being handled is the cause.
+        cause = sys.exc_info()[1]
+        if message["type"] == "lifespan.startup.failed" and isinstance(cause, ModelFolderError):
+            message = {**message, "message": str(cause)}
+        await send(message)
+
+    return sending
 
 
 def create_app(settings: Settings) -> FastAPI:

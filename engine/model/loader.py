@@ -6,6 +6,7 @@ import ctypes
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -23,6 +24,7 @@ from engine.detokenizer import TokenBytes  # noqa: E402
 from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
+from engine.model.families import ModelFolderError, family_for  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
@@ -147,7 +149,8 @@ def load_model(
     else:
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+            raise ModelFolderError(f"{path} is not a Hugging Face model folder (no config.json)")
+        check_model_folder(path)
         name = path.name
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, batch_invariant)
@@ -156,7 +159,15 @@ def load_model(
     int4_tokens = resolve_int4_max_tokens(int4_max_tokens, model is None, torch_device, batch_invariant)
     # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
     load_dtype = torch.float32 if int4_tokens else torch_dtype
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype).to(torch_device).eval()
+    hf_model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, output_loading_info=True)
+    if loading["missing_keys"]:
+        # transformers would fill them with random values and only log it.
+        missing = sorted(loading["missing_keys"])
+        raise ModelFolderError(
+            f"{path}: the weights lack {len(missing)} tensor(s) the model needs, {', '.join(missing[:3])}"
+            + (", ..." if len(missing) > 3 else "")
+        )
+    hf_model = hf_model.to(torch_device).eval()
     # The decoder layers only: the output head is where 4 bits cost the most (on the default model,
     # whose head ships as Q8_0, an int4 head agreed with float32 on the top token 87% of the time
     # over 1024 positions of text, against 97% for a bf16 head).
@@ -189,6 +200,42 @@ def load_model(
         max_position_embeddings=hf_model.config.max_position_embeddings,
         cpu_kernels=load_library(cache_dir) if torch_device.type == "cpu" else None,
     )
+
+
+# The weights files transformers reads, each alone or as the index of its shards.
+_WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def check_model_folder(path: Path) -> None:
+    """Refuses, with one line naming the file and what it lacks, a folder that transformers would fail on
+    deep inside or, worse, load with defaults or random values where the config or the weights lack something."""
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelFolderError(f"{config_file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelFolderError(f"{config_file} has no 'model_type'")
+    family = family_for(config["model_type"])
+    missing = [field for field in family.required_config if field not in config]
+    if missing:
+        raise ModelFolderError(
+            f"{config_file} lacks {', '.join(map(repr, missing))}, which {config['model_type']} needs"
+        )
+    for weights in _WEIGHTS_FILES:
+        if (path / weights).is_file():
+            return
+        index_file = path / f"{weights}.index.json"
+        if index_file.is_file():
+            try:
+                shards = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                raise ModelFolderError(f"{index_file} has no valid 'weight_map'") from None
+            absent = [shard for shard in shards if not (path / shard).is_file()]
+            if absent:
+                raise ModelFolderError(f"{index_file} names {', '.join(absent)}, not in the folder")
+            return
+    raise ModelFolderError(f"{path} has no weights: model.safetensors, or model.safetensors.index.json and its shards")
 
 
 def use_invariant_kernels(

@@ -1,7 +1,12 @@
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from engine.model.families import UnsupportedModelError
+from engine.model.families import ModelFolderError, UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
 from engine.tiny import FAMILY_CONFIGS, tiny_hf_model
 from tests.conftest import CACHE_DIR
@@ -19,8 +24,60 @@ def test_any_local_hf_folder_loads(tmp_path, default_tokenizer, model_type):
 
 
 def test_a_folder_without_config_is_refused(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ModelFolderError, match="no config.json"):
         load_model(str(tmp_path), tmp_path, device="cpu", dtype="auto")
+
+
+def _drop_config_field(folder, field):
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    del config[field]
+    config_file.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "num_hidden_layers"])
+def test_a_config_lacking_a_needed_field_is_refused_naming_file_and_field(tmp_path, field):
+    # Without num_hidden_layers transformers would build its default 32 layers, 30 of them random.
+    tiny_hf_model().save_pretrained(tmp_path)
+    _drop_config_field(tmp_path, field)
+    with pytest.raises(ModelFolderError, match=f"config.json lacks '{field}', which llama needs"):
+        load_model(str(tmp_path), tmp_path, device="cpu", dtype="float32")
+
+
+def test_a_shard_missing_from_the_folder_is_refused_naming_it(tmp_path):
+    tiny_hf_model().save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / shard).unlink()
+    with pytest.raises(ModelFolderError, match=f"model.safetensors.index.json names {shard}, not in the folder"):
+        load_model(str(tmp_path), tmp_path, device="cpu", dtype="float32")
+
+
+def test_a_folder_without_weights_is_refused(tmp_path):
+    tiny_hf_model().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ModelFolderError, match="has no weights"):
+        load_model(str(tmp_path), tmp_path, device="cpu", dtype="float32")
+
+
+def test_weights_lacking_a_tensor_are_refused_not_filled_at_random(tmp_path, default_tokenizer):
+    tiny_hf_model().save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelFolderError, match="lack 1 tensor.* model.layers.1.mlp.up_proj.weight"):
+        load_model(str(tmp_path), tmp_path, device="cpu", dtype="float32")
+
+
+def test_the_server_exits_non_zero_with_the_refusal_in_one_line(tmp_path):
+    tiny_hf_model().save_pretrained(tmp_path)
+    _drop_config_field(tmp_path, "num_hidden_layers")
+    command = [sys.executable, "-m", "app", "--model", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f"{tmp_path / 'config.json'} lacks 'num_hidden_layers', which llama needs" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
 
 
 def test_an_unsupported_architecture_is_refused(tmp_path, default_tokenizer):

@@ -22,16 +22,24 @@ _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in fa
 SUPPORTED_MODEL_TYPES = frozenset(_BY_MODEL_TYPE)
 
 
-class UnsupportedModelError(ValueError):
+class ModelFolderError(ValueError):
+    """A model folder Sluice cannot serve; the message names the file and what it lacks, in one line."""
+
+
+class UnsupportedModelError(ModelFolderError):
     pass
 
 
-def family_of(hf_model: PreTrainedModel) -> DecoderFamily:
-    """The family that runs `hf_model`, built over its modules."""
-    model_type = hf_model.config.model_type
+def family_for(model_type: str) -> type[DecoderFamily]:
+    """The family that serves `model_type`."""
     family = _BY_MODEL_TYPE.get(model_type)
     if family is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
         )
-    return family(hf_model)
+    return family
+
+
+def family_of(hf_model: PreTrainedModel) -> DecoderFamily:
+    """The family that runs `hf_model`, built over its modules."""
+    return family_for(hf_model.config.model_type)(hf_model)

@@ -20,6 +20,15 @@ class DecoderFamily:
 
     # The config.model_type values this family serves.
     model_types: ClassVar[tuple[str, ...]] = ()
+    # The fields a checkpoint's config.json must give: where one is absent transformers puts in its class's
+    # default (a 4096-wide Llama of 32 layers), and the weights then do not fit.
+    required_config: ClassVar[tuple[str, ...]] = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "vocab_size",
+    )
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         config = hf_model.config
