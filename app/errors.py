@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -90,19 +90,12 @@ def error_response(error: OpenAIError) -> JSONResponse:
     )
 
 
-def install_openapi(app: FastAPI) -> None:
-    """The OpenAPI document without FastAPI's 422 responses: validation errors are answered 400."""
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for operations in schema.get("paths", {}).values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi
+def _allowed_methods(request: Request) -> str | None:
+    """The methods the OpenAPI document gives the request's path, if it documents that path."""
+    for template, operations in request.app.openapi()["paths"].items():
+        if re.fullmatch(re.sub(r"\{[^/}]+\}", "[^/]+", template), request.url.path):
+            return ", ".join(sorted(method.upper() for method in operations))
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -121,9 +114,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(400, message, param), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # A 405 carries the route's methods in `Allow` (RFC 9110 requires it).
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = exc.headers
+        if exc.status_code == 405 and (allowed := _allowed_methods(request)) is not None:
+            # `Allow` lists every method of the path (RFC 9110); Starlette's names only the first
+            # route that matched it (GET of /v1/responses/{id}, not its DELETE).
+            headers = {**(headers or {}), "Allow": allowed}
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -12,7 +12,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ERROR_RESPONSES, install_error_handlers, install_openapi
+from app.errors import ERROR_RESPONSES, install_error_handlers
+from app.openapi import install_openapi
 from app.operations.front_door import FrontDoor
 from app.routes import chat, completions, health, models, playground, responses, streams
 from app.settings import Settings
@@ -97,7 +98,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = _SluiceApp(settings.max_request_bytes, title="Sluice", lifespan=lifespan, responses=ERROR_RESPONSES)
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, lambda: app.state.sluice.limits if hasattr(app.state, "sluice") else None)
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(responses.router)

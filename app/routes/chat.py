@@ -9,14 +9,14 @@ from app.operations.admission import admit, require_api_key
 from app.serving.payloads import ChatCompletion
 from app.serving.prompting import chat_prompt_ids
 from app.serving.protocol import ChatCompletionRequest
-from app.serving.sse import event_stream
+from app.serving.sse import STREAMED_200, event_stream
 from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/chat/completions", response_model=None, dependencies=[Depends(admit)])
+@router.post("/v1/chat/completions", response_model=None, responses=STREAMED_200, dependencies=[Depends(admit)])
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
 ) -> EventSourceResponse | ChatCompletion:

@@ -9,14 +9,14 @@ from app.operations.admission import admit, require_api_key
 from app.serving.payloads import Completion
 from app.serving.prompting import text_prompt_ids
 from app.serving.protocol import CompletionRequest
-from app.serving.sse import event_stream
+from app.serving.sse import STREAMED_200, event_stream
 from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/v1/completions", response_model=None, dependencies=[Depends(admit)])
+@router.post("/v1/completions", response_model=None, responses=STREAMED_200, dependencies=[Depends(admit)])
 async def create_completion(
     body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)
 ) -> EventSourceResponse | Completion:

@@ -45,7 +45,9 @@ async def live(state: ServerState = Depends(get_state)) -> JSONResponse:
     return JSONResponse({"status": "ok" if alive else "dead"}, status_code=200 if alive else 503)
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics", response_class=Response, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+)
 async def metrics(request: Request, state: ServerState = Depends(get_state)) -> Response:
     """Prometheus text format; behind the API key only with --protect-metrics."""
     if state.settings.protect_metrics:

@@ -13,7 +13,7 @@ from app.operations.admission import admit, require_api_key
 from app.serving.prompting import chat_prompt_ids, continuation_ids
 from app.serving.responses import Conversation, ResponseRun, new_response_id
 from app.serving.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
-from app.serving.sse import event_stream
+from app.serving.sse import STREAMED_200, event_stream
 from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
 
@@ -29,7 +29,7 @@ def _not_found(response_id: str) -> OpenAIError:
     )
 
 
-@router.post("/v1/responses", response_model=None, dependencies=[Depends(admit)])
+@router.post("/v1/responses", response_model=None, responses=STREAMED_200, dependencies=[Depends(admit)])
 async def create_response(
     body: ResponsesRequest, request: Request, state: ServerState = Depends(get_state)
 ) -> EventSourceResponse | ResponseObject:
@@ -122,7 +122,7 @@ async def _events(run: ResponseRun, after: int, cancel_on_leave: bool):
             run.cancel()
 
 
-@router.get("/v1/responses/{response_id}", response_model=None)
+@router.get("/v1/responses/{response_id}", response_model=None, responses=STREAMED_200)
 async def get_response(
     response_id: str,
     state: ServerState = Depends(get_state),

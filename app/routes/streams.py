@@ -7,13 +7,13 @@ from sse_starlette import EventSourceResponse
 
 from app.errors import OpenAIError
 from app.operations.admission import require_api_key
-from app.serving.sse import event_stream
+from app.serving.sse import STREAMED_200, event_stream
 from app.state import ServerState, get_state
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.get("/v1/streams/{completion_id}", response_model=None)
+@router.get("/v1/streams/{completion_id}", response_model=None, responses=STREAMED_200)
 async def resume_stream(
     completion_id: str,
     state: ServerState = Depends(get_state),

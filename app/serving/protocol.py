@@ -5,18 +5,34 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from app.errors import OpenAIError
 from app.serving.json_schema import decoded_schema
+from app.serving.request_rules import (
+    BEST_OF_ONE,
+    LOGIT_BIAS,
+    NOT_NULL_SCHEMA,
+    ONE_PROMPT,
+    TOKEN_ID,
+    TOOL_CHOICE_NEEDS_TOOLS,
+    TOOL_MESSAGE,
+    TOP_LOGPROBS_NEED_LOGPROBS,
+    UNCONSTRAINED,
+    array_bounds,
+    output_constraint_rules,
+    schema_needed,
+)
 from app.serving.tools import Function, ToolUse, parameters_schema
 from engine.types import GrammarSpec, Reasoning, SamplingParams
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict, as OpenAI: 0 is not a boolean, 1.5 not an integer, "2" not a number; what the OpenAPI
+    # document says a field takes is what it accepts.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -37,10 +53,24 @@ class ServingLimits:
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+# Below this a temperature is greedy in effect, and is sampled as greedy: the sampler's 1 / temperature
+# would overflow a float32 (a temperature of 1e-308 failed the engine step with a 500).
+MIN_TEMPERATURE = 1e-5
+
+
+def _whole(value: object) -> object:
+    # JSON Schema counts 1.0 as an integer; strict mode alone would refuse it.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# After a field's own constraints in its Annotated (before them, pydantic drops them from the JSON schema).
+WHOLE = BeforeValidator(_whole)
+Int = Annotated[int, WHOLE]
+TokenId = Annotated[int, Field(json_schema_extra={TOKEN_ID: True, "minimum": 0}), WHOLE]
 
 
 class JsonSchemaFormat(_Request):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
@@ -49,6 +79,12 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
+    model_config = ConfigDict(
+        json_schema_extra=schema_needed(
+            {"required": ["json_schema"], "properties": {"json_schema": {"type": "object", **NOT_NULL_SCHEMA}}}
+        )
+    )
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -59,6 +95,18 @@ class ResponseFormat(_Request):
 
 class StructuredOutputs(_Request):
     """Extension (as vLLM's `structured_outputs`): exactly one of these constrains the output."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                *(
+                    {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+                    for name in ("json", "regex", "choice", "grammar")
+                ),
+                {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
+            ]
+        }
+    )
 
     json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -110,26 +158,26 @@ class _SamplingRequest(_Request):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: Annotated[int, Field(ge=-1), WHOLE] = 0
     """Extension (as vLLM): keep the k most likely tokens; 0 or -1 keeps all."""
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     """Extension (as vLLM): drop tokens less likely than min_p times the most likely one."""
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64), WHOLE] | None = None
+    n: Annotated[int, Field(ge=1, le=128), WHOLE] = 1
+    stop: str | list[str] | None = Field(None, json_schema_extra=array_bounds(maxItems=MAX_STOP_SEQUENCES))
+    stop_token_ids: list[TokenId] | None = None
     """Extension (as vLLM): token ids that end the output; the token's text is not included."""
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     """Extension (as vLLM and HF): >1 discourages any token already in the prompt or output."""
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=LOGIT_BIAS)
     ignore_eos: bool = False
     """Extension (as vLLM): keep generating past end-of-sequence, for fixed-length benchmarks."""
-    stream_interval: int | None = Field(None, ge=1, le=1024)
+    stream_interval: Annotated[int, Field(ge=1, le=1024), WHOLE] | None = None
     """Extension: tokens per streamed chunk (the server default is --stream-interval)."""
     resumable: bool = False
     """Extension: the stream survives a disconnect for the resume window (GET /v1/streams/{id})."""
@@ -164,8 +212,12 @@ class _SamplingRequest(_Request):
                 raise ValueError(f"values must be between -100 and 100, got {value} for token {key}")
         return bias
 
-    def _max_tokens(self) -> int | None:
-        return self.max_tokens
+    # The output length when the request gives none; None: all the context leaves.
+    default_max_tokens: ClassVar[int | None] = None
+
+    def _max_tokens_given(self) -> dict[str, int | None]:
+        """The request's limits on its output length, by parameter, the one that counts first."""
+        return {"max_tokens": self.max_tokens}
 
     def _logprobs(self) -> int | None:
         """How many top alternatives to report per token; None: no logprobs at all."""
@@ -206,7 +258,8 @@ class _SamplingRequest(_Request):
             if bad := [t for t in ids if not 0 <= t < limits.vocab_size]:
                 raise OpenAIError(400, f"{param}: token id {bad[0]} is not in the vocabulary", param=param)
         room = limits.max_model_len - num_prompt_tokens
-        max_tokens = self._max_tokens()
+        given = self._max_tokens_given()
+        max_tokens = next((value for value in given.values() if value is not None), None)
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise OpenAIError(
                 400,
@@ -217,12 +270,15 @@ class _SamplingRequest(_Request):
                 code="context_length_exceeded",
             )
         cap = limits.max_tokens_limit
-        if cap is not None and max_tokens is not None and max_tokens > cap:
-            raise OpenAIError(400, f"max_tokens must be at most {cap} on this server", param="max_tokens")
+        for param, value in given.items():
+            if cap is not None and value is not None and value > cap:
+                raise OpenAIError(400, f"{param} must be at most {cap} on this server", param=param)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else min(room, cap or room),
-            temperature=self.temperature,
+            max_tokens=max_tokens
+            if max_tokens is not None
+            else min(room, cap or room, self.default_max_tokens or room),
+            temperature=self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             min_p=self.min_p,
@@ -303,6 +359,8 @@ class NamedToolChoice(_Request):
 
 
 class ChatMessage(_Request):
+    model_config = ConfigDict(json_schema_extra=TOOL_MESSAGE)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -326,10 +384,20 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                TOP_LOGPROBS_NEED_LOGPROBS,
+                TOOL_CHOICE_NEEDS_TOOLS,
+                *output_constraint_rules(UNCONSTRAINED),
+            ]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -348,20 +416,30 @@ class ChatCompletionRequest(_SamplingRequest):
         functions = [t.function for t in self.tools] if self.tools else None
         return resolve_tool_use(functions, self.tool_choice, named, self.parallel_tool_calls)
 
-    def _max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def _max_tokens_given(self) -> dict[str, int | None]:
+        return {"max_completion_tokens": self.max_completion_tokens, "max_tokens": self.max_tokens}
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [BEST_OF_ONE, *output_constraint_rules(UNCONSTRAINED)]})
+
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(json_schema_extra=ONE_PROMPT)
+    """One prompt: a text or its token ids (a batch of one is accepted too)."""
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
+    """16 when not given, as OpenAI (or less, where the context or --max-tokens-limit leaves less)."""
+    default_max_tokens: ClassVar[int | None] = 16
+    echo: bool = Field(False, json_schema_extra={"const": False})
+    """Not supported: only false is accepted."""
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE] | None = None
+    best_of: Annotated[int, Field(ge=1), WHOLE] | None = None
+    """Accepted only equal to n: there is no server-side choice among candidates."""
+    suffix: str | None = Field(
+        None, json_schema_extra={"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}]}
+    )
+    """Not supported: only empty or null is accepted."""
 
     def _logprobs(self) -> int | None:
         return self.logprobs

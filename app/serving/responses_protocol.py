@@ -8,9 +8,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 
 from app.errors import OpenAIError
 from app.serving.protocol import (
+    WHOLE,
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
@@ -19,6 +21,14 @@ from app.serving.protocol import (
     _SamplingRequest,
     format_grammar,
     resolve_tool_use,
+)
+from app.serving.request_rules import (
+    NOT_NULL_SCHEMA,
+    TOOL_CHOICE_NEEDS_TOOLS,
+    UNCONSTRAINED,
+    array_bounds,
+    output_constraint_rules,
+    schema_needed,
 )
 from app.serving.tools import ToolUse
 from engine.types import GrammarSpec
@@ -65,7 +75,9 @@ InputItem = Annotated[
 
 
 class TextFormat(_Request):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(
+        extra="ignore", strict=True, populate_by_name=True, json_schema_extra=schema_needed(NOT_NULL_SCHEMA)
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -90,9 +102,29 @@ class NamedFunctionChoice(_Request):
 
 
 class ResponsesRequest(_SamplingRequest):
-    input: str | list[InputItem]
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                TOOL_CHOICE_NEEDS_TOOLS,
+                *output_constraint_rules(
+                    {
+                        **UNCONSTRAINED,
+                        "text": {
+                            "anyOf": [{"type": "null"}, {"properties": {"format": UNCONSTRAINED["response_format"]}}]
+                        },
+                    }
+                ),
+            ]
+        }
+    )
+
+    input: str | list[InputItem] = Field(json_schema_extra=array_bounds(minItems=1))
+    max_tokens: SkipJsonSchema[int | None] = None
+    """Not read here (max_output_tokens is), so not in the document."""
+    n: Annotated[int, Field(ge=1, le=1), WHOLE] = 1
+    """A response is one output: only 1 is accepted."""
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -101,12 +133,10 @@ class ResponsesRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
 
-    def _max_tokens(self) -> int | None:
-        return self.max_output_tokens
+    def _max_tokens_given(self) -> dict[str, int | None]:
+        return {"max_output_tokens": self.max_output_tokens}
 
     def check(self) -> None:
-        if self.n != 1:
-            raise OpenAIError(400, "n must be 1 on /v1/responses", param="n")
         if isinstance(self.input, list) and not self.input:
             raise OpenAIError(400, "input must not be empty", param="input")
 

@@ -193,6 +193,22 @@ class _SseResponse(EventSourceResponse):
 # wherever they stand, so a bare one keeps proxies busy and reaches no client as an event. (sse-starlette
 # sends the factory's bytes as they are, through `ensure_bytes`.)
 KEEPALIVE = b": ping\n"
+# The OpenAPI document's 200 of a route that may answer with a stream: its events beside the JSON body.
+STREAMED_200: dict[int | str, dict] = {
+    200: {
+        "description": "The JSON body, or with `stream` an event stream",
+        "content": {
+            "text/event-stream": {
+                # One event, as a client's SSE parser yields it.
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"event": {"type": "string"}, "id": {"type": "string"}, "data": {"type": "string"}},
+                }
+            }
+        },
+    }
+}
 
 
 def event_stream(events: AsyncIterator[bytes], keepalive_seconds: float) -> EventSourceResponse:

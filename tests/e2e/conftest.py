@@ -147,8 +147,9 @@ def tiny_model_path(tmp_path_factory, default_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_path) -> str:
-    """The tiny model behind a real server, generation kept short (64 tokens of context, 8 of output)."""
-    flags = ("--model", str(tiny_model_path), "--max-model-len", "64", "--max-tokens-limit", "8")
+    """The tiny model behind a real server, generation kept short (8 tokens of output); its whole
+    context (1,024 tokens), so that what a fuzzer sends fits."""
+    flags = ("--model", str(tiny_model_path), "--max-model-len", "1024", "--max-tokens-limit", "8")
     return _SHARED.get("tiny_server", *flags, "--kv-cache-gib", "0.05")
 
 

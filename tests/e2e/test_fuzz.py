@@ -1,10 +1,11 @@
-"""Schemathesis over /openapi.json against a real server: no 5xx, no status the document does not list.
+"""Schemathesis over /openapi.json against a real server, with its default checks: no 5xx, every
+status and content type documented, every schema-valid request accepted and every invalid one refused.
 
 The server runs a tiny random model (what is fuzzed is what the API accepts and answers, not the
-text) and keeps generation short (`--max-model-len 64`, `--max-tokens-limit 8`), so each of the
-fuzzer's requests takes milliseconds; every route and method of the document is exercised, with
-valid and invalid data. (Hypothesis drives each operation directly: schemathesis's pytest plugin does
-not load under pytest 9.) Examples per operation: the hypothesis profile's (tests/conftest.py).
+text) and keeps generation short (`--max-tokens-limit 8`), so each of the fuzzer's requests takes
+milliseconds; every route and method of the document is exercised, with valid and invalid data.
+(Hypothesis drives each operation directly: schemathesis's pytest plugin does not load under pytest 9.)
+The whole run, `st run` against the same server, is in docs/api.md.
 """
 
 import httpx
@@ -13,10 +14,31 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import status_code_conformance
 
 pytestmark = pytest.mark.slow
+# Per operation and mode: bounded, so that the file takes well under a minute on an idle machine.
+EXAMPLES = 12
+
+
+# Parameters whose validity a JSON Schema cannot state (a regex, grammar or schema that compiles, a
+# tool_choice naming one of the tools, an event number within a response), refused with 400 all the
+# same; docs/api.md lists them. Their rules that can be stated are declared, so not excused here.
+UNDECLARABLE = {"guided_regex", "guided_grammar", "guided_json", "structured_outputs", "response_format"}
+UNDECLARABLE |= {"text.format", "tools", "tool_choice", "starting_after"}
+# A grammar that compiles but asks for text no token can write (a stream's first event, or a 400).
+UNWRITABLE = "cannot be followed with this model's tokens"
+DECLARED = ("only one output constraint", "cannot be combined with tools", "tool_choice is only allowed")
+
+
+def undeclarable(response) -> bool:
+    """A 400 for what the document cannot declare: a prompt over the context, a grammar that does not
+    compile or that the vocabulary cannot write."""
+    if response.status_code != 400:
+        return False
+    error = response.json()["error"]
+    if error["code"] == "context_length_exceeded" or UNWRITABLE in error["message"]:
+        return True
+    return error["param"] in UNDECLARABLE and not any(rule in error["message"] for rule in DECLARED)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +47,7 @@ def api(tiny_server):
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_no_server_error_and_no_undocumented_status(api, mode):
+def test_the_default_checks_pass(api, mode):
     base, schema = api
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {
@@ -40,9 +62,11 @@ def test_no_server_error_and_no_undocumented_status(api, mode):
     for operation in operations:
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def fuzz(case):
-            case.call_and_validate(base_url=base, checks=[not_a_server_error, status_code_conformance], timeout=60)
+            response = case.call(base_url=base, timeout=60)
+            if not undeclarable(response):
+                case.validate_response(response)
 
         try:
             fuzz()
@@ -62,3 +86,19 @@ def test_an_undeclared_method_gets_405_with_allow_and_a_bare_tool_message_400(ap
     assert httpx.post(f"{base}/v1/chat/completions").headers["content-type"] == "application/json"
     response = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "tool"}]})
     assert response.status_code == 400 and "tool_call_id" in response.json()["error"]["message"]
+
+
+def test_what_the_fuzzer_found_stays_fixed(api):
+    base, _ = api
+    messages = [{"role": "user", "content": "hi"}]
+    # 1.0 is an integer to JSON Schema, so to the document; 1e-308 is a valid temperature (its inverse
+    # overflowed the sampler's float32, a 500).
+    response = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "n": 1.0, "temperature": 1e-308})
+    assert response.status_code == 200, response.text
+    # Strict types: no boolean from 0, no number from a string.
+    for field, value in (("stream", 0), ("max_tokens", "2"), ("n", 1.5)):
+        response = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, value)
+    # A completion's default of 16 tokens gives way to --max-tokens-limit (8) rather than refusing.
+    response = httpx.post(f"{base}/v1/completions", json={"prompt": "0"})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 8
