@@ -1,6 +1,9 @@
 """Clients no one here wrote, used as their users use them, against the default server."""
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -9,6 +12,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
 
 from app.sse_reader import read_events
+from tests.conftest import CACHE_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +71,31 @@ def test_a_call_cut_by_the_length_limit_is_the_same_streamed_and_not(server, mod
     assert [d["function"].get("name") for d in deltas if "id" in d] == [call["function"]["name"]]
     assert "".join(d["function"].get("arguments", "") for d in deltas) == call["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# The `openai` npm package, pinned; installed once into the cache (it needs the npm registry the first time).
+OPENAI_NPM = "openai@6.30.1"
+
+
+@pytest.fixture(scope="session")
+def openai_npm_package() -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node and npm are needed for the JavaScript client's test")
+    prefix = CACHE_DIR / "npm" / OPENAI_NPM
+    package = prefix / "node_modules" / "openai"
+    if not (package / "index.mjs").exists():
+        install = ["npm", "install", "--prefix", str(prefix), OPENAI_NPM, "--no-audit", "--no-fund"]
+        result = subprocess.run(install, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            pytest.skip(f"could not install {OPENAI_NPM} (offline?): {result.stderr.strip()[-300:]}")
+    return package
+
+
+def test_the_openai_npm_package_streams_a_chat_and_a_tool_call(server, model, openai_npm_package):
+    script = Path(__file__).parent / "js" / "stream_chat_and_tool.mjs"
+    result = subprocess.run(
+        ["node", str(script), server, model, str(openai_npm_package)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["text"].strip() and seen["call"]["name"] == "get_weather"
