@@ -24,7 +24,7 @@ EXAMPLES = 12
 # tool_choice naming one of the tools, an event number within a response), refused with 400 all the
 # same; docs/api.md lists them. Their rules that can be stated are declared, so not excused here.
 UNDECLARABLE = {"guided_regex", "guided_grammar", "guided_json", "structured_outputs", "response_format"}
-UNDECLARABLE |= {"text.format", "tools", "tool_choice", "starting_after"}
+UNDECLARABLE |= {"structured_outputs.json", "text.format", "tools", "tool_choice", "starting_after"}
 # A grammar that compiles but asks for text no token can write (a stream's first event, or a 400).
 UNWRITABLE = "cannot be followed with this model's tokens"
 DECLARED = ("only one output constraint", "cannot be combined with tools", "tool_choice is only allowed")
