@@ -280,7 +280,9 @@ class _SamplingRequest(_Request):
             else min(room, cap or room, self.default_max_tokens or room),
             temperature=self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
             top_p=self.top_p,
-            top_k=max(self.top_k, 0),
+            # 0 keeps every token, as does a k at or past the vocabulary (which would overflow the
+            # sampler's int32: a top_k of 2**40 failed the engine step with a 500).
+            top_k=self.top_k if 0 < self.top_k < limits.vocab_size else 0,
             min_p=self.min_p,
             seed=self.seed,
             presence_penalty=self.presence_penalty,

@@ -95,6 +95,9 @@ def test_what_the_fuzzer_found_stays_fixed(api):
     # overflowed the sampler's float32, a 500).
     response = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "n": 1.0, "temperature": 1e-308})
     assert response.status_code == 200, response.text
+    # A top_k past the vocabulary keeps every token (it overflowed the sampler's int32, a 500).
+    response = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, "top_k": 2**40})
+    assert response.status_code == 200, response.text
     # Strict types: no boolean from 0, no number from a string.
     for field, value in (("stream", 0), ("max_tokens", "2"), ("n", 1.5)):
         response = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, field: value})
