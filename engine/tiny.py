@@ -40,6 +40,8 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "llama": {},
     # A window shorter than the longest prompt: served through it, to the whole context.
     "mistral": {"sliding_window": 12},
+    # 8 experts, top-2, routing weights renormalized over the two.
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
     "olmo2": {},
     # As Phi-4-mini: LongRoPE over half of each head. Every prompt is longer than the pretraining length, so
     # Hugging Face too rotates it by the long factors throughout.
@@ -60,6 +62,15 @@ FAMILY_CONFIGS: dict[str, dict] = {
     ),
     "qwen2": {},
     "qwen3": {},
+    # 8 experts, top-2 without renormalizing; layer 1 keeps a dense MLP (mlp_only_layers) so both paths run.
+    "qwen3_moe": {
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+    },
     # Layer 0 rotates q and k, layer 1 does not. Its default token ids are outside the tiny vocabulary.
     "smollm3": dict(no_rope_layers=[1, 0], bos_token_id=1, eos_token_id=2, pad_token_id=0),
 }

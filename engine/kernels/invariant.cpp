@@ -492,6 +492,20 @@ void sl_linear(int64_t form, int64_t scalar, const float* x, int64_t m_dim, int6
   }
 }
 
+// Experts' linear layers over rows grouped by expert: counts[e] rows of x for expert e, in expert order,
+// each expert's weight packed by sl_pack in `form` at panels + e * expert_bytes. A row's arithmetic is
+// sl_linear's, so its result depends on its own input and expert alone, not on how many rows share it.
+void sl_grouped_linear(int64_t form, int64_t scalar, const float* x, int64_t k_dim, const int64_t* counts,
+                       int64_t num_experts, const uint8_t* panels, int64_t expert_bytes, int64_t n_dim, float* y) {
+  int64_t row = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (counts[e] == 0) continue;
+    sl_linear(form, scalar, x + row * k_dim, counts[e], k_dim, panels + e * expert_bytes, n_dim, y + row * n_dim,
+              nullptr);
+    row += counts[e];
+  }
+}
+
 // out[T, H, D]: query t, head h attends to the first context_lens[t] keys of the request
 // whose block table is block_tables[table_rows[t]], in the layer's cache [slots, KVH, D]; with
 // window > 0 only to the last `window` of them (positions (p - window, p] for the query at p).

@@ -1,4 +1,4 @@
-"""Builds the kernels (invariant.cpp, sampling.cpp) once per machine with the system C++ compiler
+"""Builds the kernels (invariant.cpp, moe.cpp, sampling.cpp) once per machine with the system C++ compiler
 into one library, and loads it with ctypes; `build_shared_library` builds any other such library
 the same way (app/operations/sends.cpp).
 
@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _FOLDER = Path(__file__).parent
-_SOURCES = (_FOLDER / "invariant.cpp", _FOLDER / "sampling.cpp")
+_SOURCES = (_FOLDER / "invariant.cpp", _FOLDER / "moe.cpp", _FOLDER / "sampling.cpp")
 _HEADERS = (_FOLDER / "vector_math.h",)
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build.
@@ -117,6 +117,12 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     library.sl_pack.restype = None
     library.sl_unpack.argtypes = [_I, _P, _I, _I, _P]
     library.sl_unpack.restype = None
+    library.sl_grouped_linear.argtypes = [_I, _I, _P, _I, _P, _I, _P, _I, _I, _P]
+    library.sl_grouped_linear.restype = None
+    library.sl_moe_route.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P]
+    library.sl_moe_route.restype = None
+    library.sl_moe_combine.argtypes = [_P, _P, _P, _I, _I, _I, _P]
+    library.sl_moe_combine.restype = None
     library.sl_paged_attention.argtypes = [
         _P,
         _I,

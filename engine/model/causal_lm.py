@@ -15,7 +15,7 @@ from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata
 from engine.model.families import family_of
-from engine.model.layers import LayerOps, Replacement
+from engine.model.layers import ExpertsKernel, LayerOps, Replacement
 from engine.model.quant import Int4Weight
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ class PagedCausalLM:
         self.kernels: ctypes.CDLL | None = None
         self._packed: dict[torch.nn.Linear, PackedLinear | InvariantLinear] = {}
         self._norms: dict[torch.nn.Module, InvariantRMSNorm] = {}
+        # The mixture-of-experts blocks on kernels of their own (engine/model/moe.py), by block.
+        self._experts: dict[torch.nn.Module, ExpertsKernel] = {}
         # What each linear layer runs on: in steps of at most int4_max_tokens (the int4 copies first), and in others.
         self._small_step_linears: Mapping[torch.nn.Module, Replacement] = {}
         self._linears: Mapping[torch.nn.Module, Replacement] = {}
@@ -79,18 +81,30 @@ class PagedCausalLM:
         self.int4_max_tokens = max_tokens if weights else 0
         self._replacements_changed()
 
-    def use_kernels(self, library: ctypes.CDLL, packed: dict[torch.nn.Linear, PackedLinear]) -> None:
-        """Run these packed linear layers and the attention on the batch-invariant kernels."""
+    def use_kernels(
+        self,
+        library: ctypes.CDLL,
+        packed: dict[torch.nn.Linear, PackedLinear],
+        experts: dict[torch.nn.Module, ExpertsKernel] | None = None,
+    ) -> None:
+        """Run these packed linear layers, mixture-of-experts blocks and the attention on the
+        batch-invariant kernels."""
         self.kernels = library
         self._packed = packed
+        self._experts = experts or {}
         self._replacements_changed()
 
     def use_gpu_kernels(
-        self, linears: dict[torch.nn.Linear, InvariantLinear], norms: dict[torch.nn.Module, InvariantRMSNorm]
+        self,
+        linears: dict[torch.nn.Linear, InvariantLinear],
+        norms: dict[torch.nn.Module, InvariantRMSNorm],
+        experts: dict[torch.nn.Module, ExpertsKernel] | None = None,
     ) -> None:
-        """Run these linear layers and norms on the GPU's batch-invariant Triton kernels."""
+        """Run these linear layers, norms and mixture-of-experts blocks on the GPU's batch-invariant
+        Triton kernels."""
         self._packed = linears
         self._norms = norms
+        self._experts = experts or {}
         self._replacements_changed()
 
     def _replacements_changed(self) -> None:
@@ -124,7 +138,7 @@ class PagedCausalLM:
     ) -> HeadOutput:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
         small = allow_int4 and input_ids.shape[0] <= self.int4_max_tokens
-        ops = LayerOps(self._small_step_linears if small else self._linears, self._norms, kv_cache, meta)
+        ops = LayerOps(self._small_step_linears if small else self._linears, self._norms, kv_cache, meta, self._experts)
         family = self.family
         hidden = family.embed(self.embed_tokens, input_ids)
         rotary = family.rotary(hidden, positions)

@@ -1,5 +1,6 @@
-"""The building blocks the model families are made of: a step's linear layers, norms and paged attention
-(`LayerOps`, which picks the kernel each runs on), rotary embeddings, self-attention and the gated MLP.
+"""The building blocks the model families are made of: a step's linear layers, norms, experts and paged
+attention (`LayerOps`, which picks the kernel each runs on), rotary embeddings, self-attention and the
+gated MLP (the mixture-of-experts block is engine/model/moe.py).
 
 A family (engine/model/families/) composes these into its decoder layer; nothing here knows a family."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -16,6 +18,16 @@ from engine.model.attention import AttentionMetadata, paged_attention
 
 # What a linear layer or norm runs on instead of torch's module: a kernel's packed copy of its weights.
 Replacement = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExpertsKernel(Protocol):
+    """What a mixture-of-experts block runs on instead of torch's kernels: its router and experts on
+    kernels of their own (engine/model/moe.py), x [T, H] → the sum of each token's top_k experts'
+    outputs weighted by their routing weights."""
+
+    def __call__(
+        self, x: torch.Tensor, top_k: int, renormalize: bool, act: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +93,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class LayerOps:
-    """One forward's way to run a layer's parts: each linear layer and norm on its replacement where it
-    has one (the batch-invariant kernels, or int4 copies for a small step) else on torch's module, and
-    attention over the paged cache with the step's metadata."""
+    """One forward's way to run a layer's parts: each linear layer, norm and mixture-of-experts block on
+    its replacement where it has one (the batch-invariant kernels, or int4 copies for a small step) else
+    on torch's modules, and attention over the paged cache with the step's metadata."""
 
     linears: Mapping[torch.nn.Module, Replacement]
     norms: Mapping[torch.nn.Module, Replacement]
     kv_cache: KVCache
     meta: AttentionMetadata
+    experts: Mapping[torch.nn.Module, ExpertsKernel]
 
     def project(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         replaced = self.linears.get(linear)

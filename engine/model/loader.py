@@ -21,11 +21,13 @@ from gguf import GGMLQuantizationType, quants  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from engine.detokenizer import TokenBytes  # noqa: E402
+from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  # noqa: E402
 from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import ModelFolderError, family_for  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
+from engine.model.moe import ExpertLinears, sparse_blocks  # noqa: E402
 from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -283,13 +285,15 @@ def use_invariant_kernels(
             )
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
-    paged.use_kernels(library, packed)
+    experts = {block: _pack_experts(library, block) for block in sparse_blocks(hf_model)}
+    paged.use_kernels(library, packed, experts)
     forms = Counter(linear.form.name for linear in packed.values())
     logger.info(
-        "batch-invariant kernels (%s) for %d linear layers (%s) and attention",
+        "batch-invariant kernels (%s) for %d linear layers (%s), %d mixture-of-experts blocks and attention",
         kernel_variant(library),
         len(packed),
         ", ".join(f"{count} {form}" for form, count in sorted(forms.items())),
+        len(experts),
     )
 
 
@@ -299,6 +303,21 @@ def _pack_quantized(library: ctypes.CDLL, module: torch.nn.Linear, form: WeightF
     kind = {WeightForm.Q8_0: GGMLQuantizationType.Q8_0, WeightForm.Q4_1: GGMLQuantizationType.Q4_1}[form]
     blocks = torch.from_numpy(quants.quantize(module.weight.detach().float().numpy(), kind))
     return PackedLinear.pack_blocks(library, form, blocks, module.out_features, module.in_features)
+
+
+def _pack_experts(library: ctypes.CDLL, block: torch.nn.Module) -> InvariantExperts:
+    """A mixture-of-experts block's router and experts (3D parameters, not linear layers) packed for the
+    kernels, each in the narrowest form that keeps its values; the originals freed."""
+    router, experts = block.gate.weight, block.experts
+    packed = InvariantExperts(
+        library,
+        PackedLinear.pack(library, narrowest(router)),
+        PackedExperts.pack(library, experts.gate_up_proj),
+        PackedExperts.pack(library, experts.down_proj),
+    )
+    for parameter in (router, experts.gate_up_proj, experts.down_proj):
+        parameter.data = torch.empty(0)
+    return packed
 
 
 def _pack_as_shipped(
@@ -331,8 +350,21 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
         for module in hf_model.modules()
         if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
     }
-    paged.use_gpu_kernels(linears, norms)
-    logger.info("batch-invariant GPU kernels for %d linear layers and %d norms", len(linears), len(norms))
+    experts = {
+        block: ExpertLinears(
+            InvariantLinear(block.gate.weight.detach(), None, block.gate.weight.dtype),
+            tuple(InvariantLinear(weight, None, weight.dtype) for weight in block.experts.gate_up_proj.detach()),
+            tuple(InvariantLinear(weight, None, weight.dtype) for weight in block.experts.down_proj.detach()),
+        )
+        for block in sparse_blocks(hf_model)
+    }
+    paged.use_gpu_kernels(linears, norms, experts)
+    logger.info(
+        "batch-invariant GPU kernels for %d linear layers, %d norms and %d mixture-of-experts blocks",
+        len(linears),
+        len(norms),
+        len(experts),
+    )
 
 
 def _eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

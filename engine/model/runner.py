@@ -74,8 +74,11 @@ class ModelRunner:
     ) -> bool:
         """Capture decode steps of up to max_num_seqs requests as CUDA graphs (or with `capture`:
         graphs.run_eagerly runs them eagerly, padded alike); whether they were: they need the GPU's paged
-        decode kernel and full-precision weights."""
-        if self.gpu_attention is None or self.model.int4_max_tokens or self.model.kernels is not None:
+        decode kernel, full-precision weights and a family whose forward a graph can replay."""
+        model = self.model
+        if self.gpu_attention is None or model.int4_max_tokens or model.kernels is not None:
+            return False
+        if not model.family.graph_capturable:
             return False
         self.graphs = DecodeGraphs(
             self.model,

@@ -11,11 +11,12 @@ from engine.model.families.gemma2 import Gemma2
 from engine.model.families.gemma3 import Gemma3
 from engine.model.families.granite import Granite
 from engine.model.families.llama import Llama
+from engine.model.families.mixtral import Mixtral
 from engine.model.families.olmo2 import Olmo2
 from engine.model.families.phi3 import Phi3
 from engine.model.families.smollm3 import SmolLM3
 
-FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, Granite, Llama, Olmo2, Phi3, SmolLM3)
+FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, Granite, Llama, Mixtral, Olmo2, Phi3, SmolLM3)
 
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 

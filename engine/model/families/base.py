@@ -57,6 +57,9 @@ class DecoderFamily:
             int(getattr(layer.self_attn, "sliding_window", config_window) or 0) for layer in inner.layers
         )
 
+    # Whether a forward can be captured as a CUDA graph: no host work that depends on the step's values.
+    graph_capturable: ClassVar[bool] = True
+
     # Whether `logits` changes the head's output (the head's per-block maxima then no longer hold).
     transforms_logits: ClassVar[bool] = False
 
