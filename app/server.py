@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -83,10 +84,15 @@ def _refusal_in_one_line(send: Send) -> Send:
     return sending
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(
+    settings: Settings, start: Callable[[Settings], Awaitable[ServerState]] = _start_engine_thread
+) -> FastAPI:
+    """The app; its lifespan builds the state with `start`: by default this process's own engine, in a
+    cluster's ingress the replicas' (app/cluster/)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state = await _start_engine_thread(settings)
+        state = await start(settings)
         app.state.sluice = state
         logger.info("serving %s on http://%s:%d", state.model_name, settings.host, settings.port)
         try:

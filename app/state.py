@@ -23,6 +23,7 @@ from app.serving.tools import ToolUse
 from app.settings import Settings
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
+from engine.engine_client import EngineClient
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError
@@ -34,11 +35,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerState:
-    """What the routes read: settings, the served model and the engine."""
+    """What the routes read: settings, the served model and the engine (this process's own, or in a
+    cluster the replicas behind app/cluster/)."""
 
     settings: Settings
     loaded: LoadedModel
-    engine: Engine
+    engine: EngineClient
     model_name: str
     limits: ServingLimits
     # How chat outputs are split into reasoning and answer; None: all of an output is answer.
@@ -155,7 +157,8 @@ def _speculative_config(settings: Settings) -> SpeculativeConfig | None:
     )
 
 
-def build_state(settings: Settings) -> ServerState:
+def build_engine(settings: Settings) -> tuple[LoadedModel, Engine]:
+    """The served model and its engine, sized for this device."""
     loaded = load_model(
         settings.model,
         settings.cache_dir,
@@ -209,7 +212,17 @@ def build_state(settings: Settings) -> ServerState:
         sizing.max_num_seqs,
         sizing.max_num_batched_tokens,
     )
-    engine = Engine(loaded, config, draft_model)
+    return loaded, Engine(loaded, config, draft_model)
+
+
+def build_state(settings: Settings) -> ServerState:
+    loaded, engine = build_engine(settings)
+    return serve_state(settings, loaded, engine)
+
+
+def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, num_replicas: int = 1) -> ServerState:
+    """The routes' state over `engine`: with `num_replicas` engines behind it, as many seats are admitted."""
+    config = engine.config
     model_name = settings.served_model_name or loaded.name
     return ServerState(
         settings=settings,
@@ -218,16 +231,16 @@ def build_state(settings: Settings) -> ServerState:
         model_name=model_name,
         reasoning=reasoning_parser(settings.reasoning_parser, loaded.tokenizer),
         limits=ServingLimits(
-            max_model_len=max_model_len,
+            max_model_len=config.max_model_len,
             vocab_size=loaded.model.vocab_size,
-            max_num_seqs=sizing.max_num_seqs,
+            max_num_seqs=config.max_num_seqs,
             stream_interval=settings.stream_interval,
             max_tokens_limit=settings.max_tokens_limit,
         ),
         streams=StreamRegistry(settings.resume_window_seconds, SendBatch.build(settings.cache_dir)),
         responses=ResponseStore(settings.response_retention, engine.unpin),
         api_keys=load_api_keys(settings),
-        admission=Admission(settings.max_queue, sizing.max_num_seqs),
+        admission=Admission(settings.max_queue, config.max_num_seqs * num_replicas),
         metrics=Metrics(model_name, lambda: engine.stats),
         audit=AuditLog(settings.audit_log, settings.audit_log_content) if settings.audit_log else None,
     )

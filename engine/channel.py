@@ -41,6 +41,9 @@ class StreamChannel:
         # the reader waits with nothing pending, so nothing overtakes what it was handed before; returns
         # whether it took the chunk, and a chunk taken is counted as read.
         self.write_through: Callable[[Chunk], bool] | None = None
+        # Called on the loop by cancel(): where no engine thread reads the flag (a remote engine's relay,
+        # app/cluster/pool.py), how the cancel reaches the engine.
+        self.on_cancel: Callable[[], None] | None = None
 
     # Engine thread side.
 
@@ -71,6 +74,8 @@ class StreamChannel:
     def cancel(self) -> None:
         """Ask the engine to stop this request; it frees the KV blocks at its next step."""
         self._cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         open_choices = self._num_choices

@@ -41,7 +41,7 @@ from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolC
 from engine import types as engine_types
 from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
-from engine.engine import Engine
+from engine.engine_client import EngineClient
 from engine.types import Chunk, FinishReason, SamplingParams, TokenLogprob
 
 Kind = Literal["chat", "text"]
@@ -125,7 +125,7 @@ class CompletionRenderer:
     @classmethod
     def start(
         cls,
-        engine: Engine,
+        engine: EngineClient,
         kind: Kind,
         model: str,
         prompt_token_ids: list[int],
