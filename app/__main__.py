@@ -1,4 +1,5 @@
-"""`sluice` / `python -m app`: parse flags into Settings and run uvicorn, draining on SIGTERM / SIGINT."""
+"""`sluice` / `python -m app`: parse flags into Settings and run uvicorn, draining on SIGTERM / SIGINT.
+`sluice cluster --replicas N ...`: the same server on Ray Serve (app/cluster/serve.py, the `ray` extra)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from app.settings import Settings
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["cluster"]:
+        from app.cluster.serve import main as cluster_main
+
+        cluster_main(sys.argv[2:])
+        return
     settings = CliApp.run(Settings)
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdLogFilter())
