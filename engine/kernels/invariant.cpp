@@ -245,6 +245,51 @@ void widen_panels(const uint8_t* wp, int64_t count, int64_t k_dim, float* out) {
     }
 }
 
+// Panels [p_first, p_last) of y[M, N] = x[M, K] @ W.T, on the calling thread; block_max as `linear` says.
+template <class F>
+void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp, int64_t n_dim,
+                   float* y, float* block_max, int64_t p_first, int64_t p_last) {
+  const int64_t full = n_dim / kPanel;
+  const int64_t block_panels = kMaxBlock / kPanel;
+  const int64_t num_blocks = ((n_dim + kPanel - 1) / kPanel + block_panels - 1) / block_panels;
+  const bool widen_strips = !scalar && !std::is_same<F, F32>::value && m_dim > 6;
+  std::vector<float> strip(widen_strips ? 4 * k_dim * kPanel : 0);
+  for (int64_t p_begin = p_first; p_begin < p_last; p_begin += 4) {
+    const int64_t p_end = std::min(p_begin + 4, p_last);
+    const int64_t p_full = std::min(p_end, full);
+    // Panels [p_begin, p_end) are panels [0, p_end - p_begin) of `base`, read by `block`.
+    RowBlock block = scalar ? row_block_scalar<F> : row_block<F>;
+    const uint8_t* base = wp + p_begin * panel_bytes<F>(k_dim);
+    int64_t stride = panel_bytes<F>(k_dim);
+    if (widen_strips) {
+      widen_panels<F>(base, p_end - p_begin, k_dim, strip.data());
+      block = row_block<F32>;
+      base = (const uint8_t*)strip.data();
+      stride = panel_bytes<F32>(k_dim);
+    }
+    for (int64_t m = 0; m < m_dim; m += 6) {
+      const int rows = (int)std::min<int64_t>(6, m_dim - m);
+      if (p_begin < p_full)
+        block(rows, x + m * k_dim, k_dim, base, 0, p_full - p_begin, y + m * n_dim + p_begin * kPanel, n_dim);
+      if (p_full < p_end) {
+        // The last panel runs past N: compute it into scratch and keep the real columns.
+        float spill[6 * kPanel];
+        block(rows, x + m * k_dim, k_dim, base + (full - p_begin) * stride, 0, 1, spill, kPanel);
+        for (int r = 0; r < rows; ++r)
+          memcpy(y + (m + r) * n_dim + full * kPanel, spill + r * kPanel, (n_dim - full * kPanel) * sizeof(float));
+      }
+      if (block_max == nullptr) continue;
+      // p_begin steps by 4 from a block boundary, so these columns lie in one block.
+      const int64_t first_column = p_begin * kPanel, end_column = std::min(p_end * kPanel, n_dim);
+      for (int r = 0; r < rows; ++r) {
+        const float found = row_max(y + (m + r) * n_dim + first_column, end_column - first_column);
+        float& slot = block_max[(m + r) * num_blocks + p_begin / block_panels];
+        slot = p_begin % block_panels == 0 ? found : std::max(slot, found);
+      }
+    }
+  }
+}
+
 // y[M, N] = x[M, K] @ W.T over a weight packed in form F. Threads split the output columns (never k);
 // each walks its columns four panels at a time, over every row. With more rows than one tile takes, a
 // strip of four panels is widened once into float32 in the thread's cache and the float32 tiles run
@@ -259,10 +304,8 @@ template <class F>
 void linear(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp, int64_t n_dim, float* y,
             float* block_max) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
-  const int64_t full = n_dim / kPanel;
   const int64_t block_panels = kMaxBlock / kPanel;
   const int64_t num_blocks = (panels + block_panels - 1) / block_panels;
-  const bool widen_strips = !scalar && !std::is_same<F, F32>::value && m_dim > 6;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -271,40 +314,27 @@ void linear(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uin
       p_first = std::min(panels, num_blocks * thread / threads * block_panels);
       p_last = std::min(panels, num_blocks * (thread + 1) / threads * block_panels);
     }
-    std::vector<float> strip(widen_strips ? 4 * k_dim * kPanel : 0);
-    for (int64_t p_begin = p_first; p_begin < p_last; p_begin += 4) {
-      const int64_t p_end = std::min(p_begin + 4, p_last);
-      const int64_t p_full = std::min(p_end, full);
-      // Panels [p_begin, p_end) are panels [0, p_end - p_begin) of `base`, read by `block`.
-      RowBlock block = scalar ? row_block_scalar<F> : row_block<F>;
-      const uint8_t* base = wp + p_begin * panel_bytes<F>(k_dim);
-      int64_t stride = panel_bytes<F>(k_dim);
-      if (widen_strips) {
-        widen_panels<F>(base, p_end - p_begin, k_dim, strip.data());
-        block = row_block<F32>;
-        base = (const uint8_t*)strip.data();
-        stride = panel_bytes<F32>(k_dim);
-      }
-      for (int64_t m = 0; m < m_dim; m += 6) {
-        const int rows = (int)std::min<int64_t>(6, m_dim - m);
-        if (p_begin < p_full)
-          block(rows, x + m * k_dim, k_dim, base, 0, p_full - p_begin, y + m * n_dim + p_begin * kPanel, n_dim);
-        if (p_full < p_end) {
-          // The last panel runs past N: compute it into scratch and keep the real columns.
-          float spill[6 * kPanel];
-          block(rows, x + m * k_dim, k_dim, base + (full - p_begin) * stride, 0, 1, spill, kPanel);
-          for (int r = 0; r < rows; ++r)
-            memcpy(y + (m + r) * n_dim + full * kPanel, spill + r * kPanel, (n_dim - full * kPanel) * sizeof(float));
-        }
-        if (block_max == nullptr) continue;
-        // p_begin steps by 4 from a block boundary, so these columns lie in one block.
-        const int64_t first_column = p_begin * kPanel, end_column = std::min(p_end * kPanel, n_dim);
-        for (int r = 0; r < rows; ++r) {
-          const float found = row_max(y + (m + r) * n_dim + first_column, end_column - first_column);
-          float& slot = block_max[(m + r) * num_blocks + p_begin / block_panels];
-          slot = p_begin % block_panels == 0 ? found : std::max(slot, found);
-        }
-      }
+    linear_panels<F>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max, p_first, p_last);
+  }
+}
+
+// Experts' weights [N, K] in `form` at wp + e * expert_bytes, over the rows of x grouped by expert (counts[e]
+// of them for expert e): in one parallel region, each thread its share of every expert's panels, so a
+// step that hits many experts pays for one wake-up of the threads, not one per expert.
+template <class F>
+void grouped_linear(bool scalar, const float* x, int64_t k_dim, const int64_t* counts, int64_t num_experts,
+                    const uint8_t* wp, int64_t expert_bytes, int64_t n_dim, float* y) {
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    const int64_t p_first = panels * thread / threads, p_last = panels * (thread + 1) / threads;
+    int64_t row = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (counts[e] != 0)
+        linear_panels<F>(scalar, x + row * k_dim, counts[e], k_dim, wp + e * expert_bytes, n_dim, y + row * n_dim,
+                         nullptr, p_first, p_last);
+      row += counts[e];
     }
   }
 }
@@ -494,15 +524,15 @@ void sl_linear(int64_t form, int64_t scalar, const float* x, int64_t m_dim, int6
 
 // Experts' linear layers over rows grouped by expert: counts[e] rows of x for expert e, in expert order,
 // each expert's weight packed by sl_pack in `form` at panels + e * expert_bytes. A row's arithmetic is
-// sl_linear's, so its result depends on its own input and expert alone, not on how many rows share it.
+// sl_linear's, so its result depends on its own input and expert alone, not on how many rows share it; all
+// the experts run in one parallel region (grouped_linear).
 void sl_grouped_linear(int64_t form, int64_t scalar, const float* x, int64_t k_dim, const int64_t* counts,
                        int64_t num_experts, const uint8_t* panels, int64_t expert_bytes, int64_t n_dim, float* y) {
-  int64_t row = 0;
-  for (int64_t e = 0; e < num_experts; ++e) {
-    if (counts[e] == 0) continue;
-    sl_linear(form, scalar, x + row * k_dim, counts[e], k_dim, panels + e * expert_bytes, n_dim, y + row * n_dim,
-              nullptr);
-    row += counts[e];
+  switch (form) {
+    case kF32: grouped_linear<F32>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
+    case kBF16: grouped_linear<BF16>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
+    case kQ8_0: grouped_linear<Q8_0>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
+    case kQ4_1: grouped_linear<Q4_1>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
   }
 }
 
