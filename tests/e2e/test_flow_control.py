@@ -216,7 +216,10 @@ def test_delete_cancels_a_stream_from_another_client(flow_server, resumable):
     body = completion(max_tokens=2000, ignore_eos=True, resumable=resumable)
     with httpx.stream("POST", f"{flow_server}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
-        head = [next(lines) for _ in range(3)]
+        # Up to the first event's end: a keep-alive comment may come before it on a slow first token.
+        head = [next(lines)]
+        while not (head[-1] == "" and any(line.startswith("data:") for line in head)):
+            head.append(next(lines))
         completion_id = parse_events(head)[0].json()["id"]
         deleted = httpx.delete(f"{flow_server}/v1/streams/{completion_id}")
         assert deleted.status_code == 200 and deleted.json()["deleted"] is True
