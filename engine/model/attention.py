@@ -401,9 +401,7 @@ def paged_attention(
     value (gpt-oss)."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if window or softcap or sinks is not None:
-        return meta.attend(q, k, v, k_cache, v_cache, scale, window, softcap, sinks)
-    return meta.attend(q, k, v, k_cache, v_cache, scale)
+    return meta.attend(q, k, v, k_cache, v_cache, scale, window, softcap, sinks)
 
 
 def masked_attention(
