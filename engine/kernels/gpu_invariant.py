@@ -150,6 +150,49 @@ def _linear(
 
 
 @dataclass(frozen=True)
+class InvariantLinears:
+    """Linear layers over the same input (q, k and v; gate and up) run as one layer whose weight is
+    theirs stacked by output column: an output element's chain over k is the one it has alone, so the
+    bits are each layer's own, in one launch instead of one a layer."""
+
+    linear: InvariantLinear
+    widths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, linears: tuple[torch.nn.Linear, ...]) -> InvariantLinears:
+        """Stacks the layers' weights (and biases) into one tensor and makes each layer's parameters
+        views of it, so the stack costs no memory beside them."""
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        biases = [linear.bias for linear in linears]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        start = 0
+        for linear in linears:
+            end = start + linear.out_features
+            linear.weight.data = weight[start:end]
+            if bias is not None:
+                linear.bias.data = bias[start:end]
+            start = end
+        return cls(InvariantLinear(weight, bias, weight.dtype), tuple(linear.out_features for linear in linears))
+
+    @staticmethod
+    def fusable(linears: tuple[torch.nn.Module, ...]) -> bool:
+        """Whether these layers can stack: plain linear layers of one input width and dtype, all with
+        biases or none."""
+        if not all(type(linear) is torch.nn.Linear for linear in linears):
+            return False
+        first = linears[0]
+        return all(
+            linear.in_features == first.in_features
+            and linear.weight.dtype == first.weight.dtype
+            and (linear.bias is None) == (first.bias is None)
+            for linear in linears
+        )
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.widths, dim=-1)
+
+
+@dataclass(frozen=True)
 class InvariantRMSNorm:
     """A Hugging Face RMSNorm (Llama's, Mistral's, Qwen's) run on the batch-invariant kernel: the same
     arithmetic (float32 sum of squares, the scale cast back, times the weight in its dtype)."""
@@ -163,9 +206,7 @@ class InvariantRMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
+        rows = _rows(x)
         out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, self.weight.dtype), device=x.device)
         if rows.shape[0]:
             _rms_norm[(rows.shape[0],)](
@@ -180,6 +221,43 @@ class InvariantRMSNorm:
             )
         return out.view(*x.shape[:-1], width)
 
+    def add(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, the norm of that sum) in one launch: the sum rounded to the residual's dtype
+        as torch's add rounds it, then normalized as __call__ does, so both are the unfused bits."""
+        width = residual.shape[-1]
+        rows, deltas = _rows(residual), _rows(delta)
+        total = torch.empty(rows.shape, dtype=residual.dtype, device=residual.device)
+        out = torch.empty(rows.shape, dtype=torch.promote_types(residual.dtype, self.weight.dtype), device=rows.device)
+        if rows.shape[0]:
+            _add_rms_norm[(rows.shape[0],)](
+                rows,
+                deltas,
+                self.weight,
+                total,
+                out,
+                width,
+                rows.stride(0),
+                deltas.stride(0),
+                out.stride(0),
+                self.eps,
+                BLOCK=triton.next_power_of_2(width),
+            )
+        return total.view(residual.shape), out.view(residual.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+@triton.jit
+def _normalize(x, w, width, eps, out_dtype: tl.constexpr):
+    """One row x (in its dtype, masked columns 0) normalized and scaled by w, as Hugging Face's RMSNorm."""
+    wide = x.to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(wide * wide, 0) / width + eps)
+    normed = (wide * scale).to(x.dtype)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(out_dtype)
+
 
 @triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, width, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
@@ -187,12 +265,32 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, width, x_row_stride, out_row_stride, eps, B
     columns = tl.arange(0, BLOCK)
     mask = columns < width
     x = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0)
-    wide = x.to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(wide * wide, 0) / width + eps)
-    normed = (wide * scale).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + columns, mask=mask, other=0.0)
-    tl.store(
-        out_ptr + row * out_row_stride + columns,
-        (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    out = _normalize(x, w, width, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)
+
+
+@triton.jit
+def _add_rms_norm(
+    x_ptr,
+    delta_ptr,
+    w_ptr,
+    total_ptr,
+    out_ptr,
+    width,
+    x_row_stride,
+    delta_row_stride,
+    out_row_stride,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    mask = columns < width
+    x = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0)
+    delta = tl.load(delta_ptr + row * delta_row_stride + columns, mask=mask, other=0.0)
+    total = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+    tl.store(total_ptr + row * width + columns, total, mask=mask)
+    w = tl.load(w_ptr + columns, mask=mask, other=0.0)
+    out = _normalize(total, w, width, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)

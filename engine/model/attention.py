@@ -25,7 +25,7 @@ import importlib.util
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +117,8 @@ class TorchMetadata:
     slot_mapping: torch.Tensor
     # Decodes are tokens [0, num_decode_tokens) of the batch.
     num_decode_tokens: int
+    # A prompt chunk with nothing cached reads its own k and v, not the cache's.
+    reads_cache_only: ClassVar[bool] = False
     # [D, L] slots each decode reads, padded to the longest context L; None without decodes.
     decode_slots: torch.Tensor | None
     # [D, 1, 1, L] True for slots inside each decode's context.
@@ -246,6 +248,8 @@ class TritonMetadata:
     slot_mapping: torch.Tensor
     # Decodes are tokens [0, num_decode_tokens) of the batch.
     num_decode_tokens: int
+    # Every query reads its keys and values through the block tables.
+    reads_cache_only: ClassVar[bool] = True
     # None without decodes.
     decode: PagedDecode | None
     # None without prefill chunks.
@@ -299,38 +303,53 @@ class TritonMetadata:
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.prefill is None:
+            # Decodes alone (every step replayed from a CUDA graph): the decode kernel's output is the step's.
+            return self._decode(q, k_cache, v_cache, scale, window, softcap, sinks)
         out = torch.empty_like(q)
         if self.decode is not None:
-            decode, num_decodes = self.decode, self.num_decode_tokens
-            out[:num_decodes] = decode.kernel(
-                q[:num_decodes],
-                k_cache,
-                v_cache,
-                decode.block_tables,
-                decode.context_lens,
-                decode.block_size,
-                scale,
-                window,
-                softcap,
-                sinks,
-            )
-        if self.prefill is not None:
-            prefill = self.prefill
-            prefill.kernel(
-                q,
-                k_cache,
-                v_cache,
-                out,
-                prefill.block_tables,
-                prefill.chunks,
-                prefill.tiles,
-                prefill.block_size,
-                scale,
-                window,
-                softcap,
-                sinks,
-            )
+            num_decodes = self.num_decode_tokens
+            out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, scale, window, softcap, sinks)
+        prefill = self.prefill
+        prefill.kernel(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            prefill.block_tables,
+            prefill.chunks,
+            prefill.tiles,
+            prefill.block_size,
+            scale,
+            window,
+            softcap,
+            sinks,
+        )
         return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        decode = self.decode
+        return decode.kernel(
+            q,
+            k_cache,
+            v_cache,
+            decode.block_tables,
+            decode.context_lens,
+            decode.block_size,
+            scale,
+            window,
+            softcap,
+            sinks,
+        )
 
 
 @dataclass(frozen=True)
@@ -341,6 +360,8 @@ class InvariantMetadata:
     # [T] cache slot that receives each token's K/V.
     slot_mapping: torch.Tensor
     kernel: KernelAttentionMetadata
+    # Every query reads its keys and values through the block tables.
+    reads_cache_only: ClassVar[bool] = True
 
     @classmethod
     def build(

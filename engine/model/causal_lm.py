@@ -15,7 +15,7 @@ from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata
 from engine.model.families import family_of
-from engine.model.layers import ExpertsKernel, LayerOps, Replacement
+from engine.model.layers import NO_FUSIONS, ExpertsKernel, Fusions, LayerOps, Replacement
 from engine.model.quant import Int4Weight
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ class PagedCausalLM:
         self._norms: dict[torch.nn.Module, InvariantRMSNorm] = {}
         # The mixture-of-experts blocks on kernels of their own (engine/model/moe.py), by block.
         self._experts: dict[torch.nn.Module, ExpertsKernel] = {}
+        # Kernels doing several ops' work in one launch (the GPU's), in steps that do not run on int4 copies.
+        self._fusions: Fusions = NO_FUSIONS
         # What each linear layer runs on: in steps of at most int4_max_tokens (the int4 copies first), and in others.
         self._small_step_linears: Mapping[torch.nn.Module, Replacement] = {}
         self._linears: Mapping[torch.nn.Module, Replacement] = {}
@@ -99,12 +101,14 @@ class PagedCausalLM:
         linears: dict[torch.nn.Linear, InvariantLinear],
         norms: dict[torch.nn.Module, InvariantRMSNorm],
         experts: dict[torch.nn.Module, ExpertsKernel] | None = None,
+        fusions: Fusions = NO_FUSIONS,
     ) -> None:
         """Run these linear layers, norms and mixture-of-experts blocks on the GPU's batch-invariant
-        Triton kernels."""
+        Triton kernels, and what `fusions` fuses on its fused kernels."""
         self._packed = linears
         self._norms = norms
         self._experts = experts or {}
+        self._fusions = fusions
         self._replacements_changed()
 
     def _replacements_changed(self) -> None:
@@ -138,7 +142,11 @@ class PagedCausalLM:
     ) -> HeadOutput:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
         small = allow_int4 and input_ids.shape[0] <= self.int4_max_tokens
-        ops = LayerOps(self._small_step_linears if small else self._linears, self._norms, kv_cache, meta, self._experts)
+        ops = (
+            LayerOps(self._small_step_linears, self._norms, kv_cache, meta, self._experts)
+            if small
+            else LayerOps(self._linears, self._norms, kv_cache, meta, self._experts, self._fusions)
+        )
         family = self.family
         hidden = family.embed(self.embed_tokens, input_ids)
         rotary = family.rotary(hidden, positions)

@@ -6,8 +6,8 @@ A family (engine/model/families/) composes these into its decoder layer; nothing
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -18,6 +18,31 @@ from engine.model.attention import AttentionMetadata, paged_attention
 
 # What a linear layer or norm runs on instead of torch's module: a kernel's packed copy of its weights.
 Replacement = Callable[[torch.Tensor], torch.Tensor]
+# What linear layers over one input run on together: one kernel over their stacked weights, x → each one's output.
+GroupReplacement = Callable[[torch.Tensor], Sequence[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Fusions:
+    """Kernels that do in one launch what several of torch's ops do, each giving the unfused path's bits
+    (the GPU's, engine/kernels/gpu_*.py; none elsewhere): a decode step of a small model is mostly
+    launches, so each launch saved is time saved.
+
+    `groups`: linear layers over one input (q/k/v, gate/up) by their tuple; `add_norms`: norms that add
+    the residual stream's update in the same launch, (residual, delta) → (their sum, its norm);
+    `gated`: activation modules whose act(gate) * up runs in one launch, (gate, up) → the product;
+    `rotary_and_store`: q and k rotated, k and v written into the cache (engine/kernels/gpu_rotary.py's
+    signature), used where the attention reads keys from the cache alone."""
+
+    groups: Mapping[tuple[torch.nn.Module, ...], GroupReplacement] = field(default_factory=dict)
+    add_norms: Mapping[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = (
+        field(default_factory=dict)
+    )
+    gated: Mapping[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    rotary_and_store: Callable[..., torch.Tensor] | None = None
+
+
+NO_FUSIONS = Fusions()
 
 
 class ExpertsKernel(Protocol):
@@ -95,21 +120,47 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LayerOps:
     """One forward's way to run a layer's parts: each linear layer, norm and mixture-of-experts block on
     its replacement where it has one (the batch-invariant kernels, or int4 copies for a small step) else
-    on torch's modules, and attention over the paged cache with the step's metadata."""
+    on torch's modules, attention over the paged cache with the step's metadata, and the fused kernels
+    where the step has them."""
 
     linears: Mapping[torch.nn.Module, Replacement]
     norms: Mapping[torch.nn.Module, Replacement]
     kv_cache: KVCache
     meta: AttentionMetadata
     experts: Mapping[torch.nn.Module, ExpertsKernel]
+    fusions: Fusions = NO_FUSIONS
 
     def project(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         replaced = self.linears.get(linear)
         return linear(x) if replaced is None else replaced(x)
 
+    def project_all(self, linears: tuple[torch.nn.Module, ...], x: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Each of these linear layers over the same x: in one launch where they are fused."""
+        group = self.fusions.groups.get(linears)
+        if group is not None:
+            return group(x)
+        linear_map = self.linears
+        return [linear(x) if (replaced := linear_map.get(linear)) is None else replaced(x) for linear in linears]
+
     def normalize(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         replaced = self.norms.get(norm)
         return norm(x) if replaced is None else replaced(x)
+
+    def add_normalize(
+        self, norm: torch.nn.Module, residual: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, norm of that sum): the residual stream's update and the next block's input."""
+        fused = self.fusions.add_norms.get(norm)
+        if fused is not None:
+            return fused(residual, delta)
+        residual = residual + delta
+        replaced = self.norms.get(norm)
+        return residual, norm(residual) if replaced is None else replaced(residual)
+
+    def gate(self, act: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, the gated MLP's activation."""
+        fused = self.fusions.gated.get(act)
+        return act(gate) * up if fused is None else fused(gate, up)
 
     def attend(
         self,
@@ -126,6 +177,30 @@ class LayerOps:
         The variants (a sliding window, soft-capped scores, sinks) are paged_attention's, off by default."""
         key, value = self.kv_cache.key[layer], self.kv_cache.value[layer]
         return paged_attention(q, k, v, key, value, self.meta, scale, window, softcap, sinks)
+
+    def rotate_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: Rotary | None,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`attend` of q and k rotated by `rotary` (none where it is None): in one launch with the cache's
+        write where the step has that kernel."""
+        if rotary is None:
+            return self.attend(layer, q, k, v, scale, window, softcap, sinks)
+        fused = self.fusions.rotary_and_store
+        if fused is None or not self.meta.reads_cache_only:
+            return self.attend(layer, rotary.apply(q), rotary.apply(k), v, scale, window, softcap, sinks)
+        key, value = self.kv_cache.key[layer], self.kv_cache.value[layer]
+        meta = self.meta
+        q = fused(q, k, v, rotary.cos, rotary.sin, key, value, meta.slot_mapping)
+        return meta.attend(q, k, v, key, value, scale, window, softcap, sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +225,13 @@ def self_attention(
     where the module has them (Qwen3, Gemma 3), rotary unless `rotary` is None, and the output projection.
     `window` and `softcap`: the attention variants of LayerOps.attend, off by default."""
     num_tokens = x.shape[0]
-    q = ops.project(attn.q_proj, x).view(num_tokens, shape.num_heads, shape.head_dim)
-    k = ops.project(attn.k_proj, x).view(num_tokens, shape.num_kv_heads, shape.head_dim)
-    v = ops.project(attn.v_proj, x).view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    q, k, v = ops.project_all((attn.q_proj, attn.k_proj, attn.v_proj), x)
+    q = q.view(num_tokens, shape.num_heads, shape.head_dim)
+    k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
+    v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = ops.normalize(attn.q_norm, q), ops.normalize(attn.k_norm, k)
-    if rotary is not None:
-        q, k = rotary.apply(q), rotary.apply(k)
-    o = ops.attend(layer, q, k, v, shape.scale, window, softcap)
+    o = ops.rotate_and_attend(layer, q, k, v, rotary, shape.scale, window, softcap)
     return ops.project(attn.o_proj, o.view(num_tokens, -1))
 
 
@@ -180,12 +254,11 @@ def attention_heads(
     q = q.view(num_tokens, shape.num_heads, shape.head_dim)
     k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
     v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
-    if rotary is not None:
-        q, k = rotary.apply(q), rotary.apply(k)
-    o = ops.attend(layer, q, k, v, shape.scale, window)
+    o = ops.rotate_and_attend(layer, q, k, v, rotary, shape.scale, window)
     return ops.project(attn.o_proj, o.view(num_tokens, -1))
 
 
 def gated_mlp(ops: LayerOps, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """down(act(gate(x)) * up(x)), Llama's MLP."""
-    return ops.project(mlp.down_proj, mlp.act_fn(ops.project(mlp.gate_proj, x)) * ops.project(mlp.up_proj, x))
+    gate, up = ops.project_all((mlp.gate_proj, mlp.up_proj), x)
+    return ops.project(mlp.down_proj, ops.gate(mlp.act_fn, gate, up))

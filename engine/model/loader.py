@@ -13,6 +13,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -27,8 +28,13 @@ from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import ModelFolderError, family_for  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
+from engine.model.layers import Fusions  # noqa: E402
 from engine.model.moe import ExpertLinears, sparse_blocks  # noqa: E402
 from engine.model.quant import int4_copies, int4_supported  # noqa: E402
+
+if TYPE_CHECKING:
+    # Triton: on a CPU only in the dev extras, so imported where a GPU uses it.
+    from engine.kernels.gpu_invariant import InvariantLinears, InvariantRMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +347,8 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
         return
     from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
 
+    # Before the layers' own kernels: stacking makes their weights views of the stacks.
+    groups = stack_projections(hf_model)
     linears = {
         module: InvariantLinear.of(module) for module in hf_model.modules() if isinstance(module, torch.nn.Linear)
     }
@@ -358,13 +366,55 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
         )
         for block in sparse_blocks(hf_model)
     }
-    paged.use_gpu_kernels(linears, norms, experts)
+    fusions = gpu_fusions(hf_model, groups, norms)
+    paged.use_gpu_kernels(linears, norms, experts, fusions)
     logger.info(
-        "batch-invariant GPU kernels for %d linear layers, %d norms and %d mixture-of-experts blocks",
+        "batch-invariant GPU kernels for %d linear layers (%d stacked in %d launches), %d norms (%d adding the"
+        " residual) and %d mixture-of-experts blocks; %d gated activations fused",
         len(linears),
+        sum(len(group) for group in groups),
+        len(groups),
         len(norms),
+        len(fusions.add_norms),
         len(experts),
+        len(fusions.gated),
     )
+
+
+def stack_projections(hf_model: PreTrainedModel) -> dict[tuple[torch.nn.Module, ...], InvariantLinears]:
+    """Each attention block's q/k/v and each MLP's gate/up stacked into one batch-invariant layer, where
+    they are plain linear layers that can stack."""
+    from engine.kernels.gpu_invariant import InvariantLinears
+
+    groups = {}
+    for module in hf_model.modules():
+        for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            linears = tuple(getattr(module, name, None) for name in names)
+            if all(linear is not None for linear in linears) and InvariantLinears.fusable(linears):
+                groups[linears] = InvariantLinears.of(linears)
+    return groups
+
+
+def gpu_fusions(
+    hf_model: PreTrainedModel,
+    groups: dict[tuple[torch.nn.Module, ...], InvariantLinears],
+    norms: dict[torch.nn.Module, InvariantRMSNorm],
+) -> Fusions:
+    """The GPU's fused kernels for this model: its stacked projections, every invariant norm adding the
+    residual in its launch, SiLU's gated product and the rotary embedding with the cache's write."""
+    from engine.kernels.gpu_activation import silu_and_mul
+    from engine.kernels.gpu_rotary import rotary_and_store
+
+    return Fusions(
+        groups=groups,
+        add_norms={module: norm.add for module, norm in norms.items()},
+        gated={module: silu_and_mul for module in hf_model.modules() if type(module).__name__ in _SILU},
+        rotary_and_store=rotary_and_store,
+    )
+
+
+# transformers' SiLU modules: torch's own, and its wrapper that a hub kernel may replace.
+_SILU = ("SiLU", "SiLUActivation")
 
 
 def _eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -22,7 +22,7 @@ def compile_every_kernel() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.kernels import gpu_invariant, gpu_sampling, paged_decode, paged_prefill
+    from engine.kernels import gpu_activation, gpu_invariant, gpu_rotary, gpu_sampling, paged_decode, paged_prefill
     from engine.kernels.sampling import row_settings
     from engine.types import SamplingParams
     from tests.unit.helpers import make_request
@@ -62,6 +62,14 @@ def compile_every_kernel() -> list[str]:
         record(gpu_invariant, "_linear", lambda: gpu_invariant.invariant_linear(x, weight, torch.float32))
         norm = gpu_invariant.InvariantRMSNorm(torch.ones(128, dtype=dtype), 1e-5)
         record(gpu_invariant, "_rms_norm", lambda: norm(x))
+        record(gpu_invariant, "_add_rms_norm", lambda: norm.add(x, x))
+        stacked = torch.zeros(3, 2 * 1500, dtype=dtype)
+        record(gpu_activation, "_silu_and_mul", lambda: gpu_activation.silu_and_mul(*stacked.split(1500, -1)))
+        qkv = torch.zeros(5, 12 * 64, dtype=dtype).split((8 * 64, 2 * 64, 2 * 64), -1)
+        q, k, v = (part.view(5, -1, 64) for part in qkv)
+        cos = torch.zeros(5, 1, 32, dtype=dtype)
+        slots = torch.zeros(5, dtype=torch.long)
+        record(gpu_rotary, "_rotary_and_store", lambda: gpu_rotary.rotary_and_store(q, k, v, cos, cos, *caches, slots))
     logits = torch.zeros(4, 49152)
     for top_k in (0, 40):
         params = SamplingParams(4, temperature=0.7, top_k=top_k, top_p=0.9)
@@ -71,7 +79,9 @@ def compile_every_kernel() -> list[str]:
     compiled = []
     for kernel, args, constexprs in launches:
         # Launch options, not the kernel's parameters.
-        options = {name: constexprs.pop(name) for name in ("num_warps", "num_stages") if name in constexprs}
+        options = {
+            name: constexprs.pop(name) for name in ("num_warps", "num_stages", "enable_fp_fusion") if name in constexprs
+        }
         signature = {}
         for name, value in zip(kernel.arg_names, args):
             if isinstance(value, torch.Tensor):
@@ -96,4 +106,5 @@ def test_every_triton_kernel_compiles_for_an_h100():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     names = result.stdout.split()[::2]
-    assert names == ["_paged_decode", "_paged_prefill", "_linear", "_rms_norm"] * 2 + ["_sample"] * 2
+    kernels = ["_paged_decode", "_paged_prefill", "_linear", "_rms_norm", "_add_rms_norm", "_silu_and_mul"]
+    assert names == [*kernels, "_rotary_and_store"] * 2 + ["_sample"] * 2

@@ -32,8 +32,9 @@ class Gemma2(DecoderFamily):
         attended = self_attention(
             ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index], self.attention_softcap
         )
-        hidden = hidden + ops.normalize(layer.post_attention_layernorm, attended)
-        x = ops.normalize(layer.pre_feedforward_layernorm, hidden)
+        hidden, x = ops.add_normalize(
+            layer.pre_feedforward_layernorm, hidden, ops.normalize(layer.post_attention_layernorm, attended)
+        )
         return hidden + ops.normalize(layer.post_feedforward_layernorm, gated_mlp(ops, layer.mlp, x))
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,9 @@ class Granite(DecoderFamily):
     ) -> torch.Tensor:
         scale = self._residual_multiplier
         x = ops.normalize(layer.input_layernorm, hidden)
-        hidden = (
-            hidden + self_attention(ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index]) * scale
-        )
-        return hidden + gated_mlp(ops, layer.mlp, ops.normalize(layer.post_attention_layernorm, hidden)) * scale
+        attended = self_attention(ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index])
+        hidden, x = ops.add_normalize(layer.post_attention_layernorm, hidden, attended * scale)
+        return hidden + gated_mlp(ops, layer.mlp, x) * scale
 
     def logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits / self._logits_scaling

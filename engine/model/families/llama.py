@@ -17,5 +17,6 @@ class Llama(DecoderFamily):
         self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary
     ) -> torch.Tensor:
         x = ops.normalize(layer.input_layernorm, hidden)
-        hidden = hidden + self_attention(ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index])
-        return hidden + gated_mlp(ops, layer.mlp, ops.normalize(layer.post_attention_layernorm, hidden))
+        attended = self_attention(ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index])
+        hidden, x = ops.add_normalize(layer.post_attention_layernorm, hidden, attended)
+        return hidden + gated_mlp(ops, layer.mlp, x)

@@ -17,9 +17,8 @@ class Olmo2(DecoderFamily):
         self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary
     ) -> torch.Tensor:
         attn = layer.self_attn
-        q = ops.normalize(attn.q_norm, ops.project(attn.q_proj, hidden))
-        k = ops.normalize(attn.k_norm, ops.project(attn.k_proj, hidden))
-        v = ops.project(attn.v_proj, hidden)
+        q, k, v = ops.project_all((attn.q_proj, attn.k_proj, attn.v_proj), hidden)
+        q, k = ops.normalize(attn.q_norm, q), ops.normalize(attn.k_norm, k)
         attended = attention_heads(ops, index, attn, q, k, v, rotary, self.attention, self.windows[index])
         hidden = hidden + ops.normalize(layer.post_attention_layernorm, attended)
         return hidden + ops.normalize(layer.post_feedforward_layernorm, gated_mlp(ops, layer.mlp, hidden))

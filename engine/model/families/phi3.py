@@ -26,7 +26,8 @@ class Phi3(DecoderFamily):
     ) -> torch.Tensor:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = ops.project(attn.qkv_proj, ops.normalize(layer.input_layernorm, hidden)).split(self._qkv_widths, -1)
-        hidden = hidden + attention_heads(ops, index, attn, q, k, v, rotary, self.attention, self.windows[index])
+        attended = attention_heads(ops, index, attn, q, k, v, rotary, self.attention, self.windows[index])
+        hidden, x = ops.add_normalize(layer.post_attention_layernorm, hidden, attended)
         # gate_up_proj's output is the gate, then up.
-        gate, up = ops.project(mlp.gate_up_proj, ops.normalize(layer.post_attention_layernorm, hidden)).chunk(2, -1)
-        return hidden + ops.project(mlp.down_proj, up * mlp.activation_fn(gate))
+        gate, up = ops.project(mlp.gate_up_proj, x).chunk(2, -1)
+        return hidden + ops.project(mlp.down_proj, ops.gate(mlp.activation_fn, gate, up))

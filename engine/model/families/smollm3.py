@@ -22,7 +22,6 @@ class SmolLM3(DecoderFamily):
     ) -> torch.Tensor:
         x = ops.normalize(layer.input_layernorm, hidden)
         layer_rotary = rotary if self._uses_rope[index] else None
-        hidden = hidden + self_attention(
-            ops, index, layer.self_attn, x, layer_rotary, self.attention, self.windows[index]
-        )
-        return hidden + gated_mlp(ops, layer.mlp, ops.normalize(layer.post_attention_layernorm, hidden))
+        attended = self_attention(ops, index, layer.self_attn, x, layer_rotary, self.attention, self.windows[index])
+        hidden, x = ops.add_normalize(layer.post_attention_layernorm, hidden, attended)
+        return hidden + gated_mlp(ops, layer.mlp, x)
