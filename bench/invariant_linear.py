@@ -5,15 +5,15 @@
     python bench/invariant_linear.py --tiles 16x16 128x64 128x128x8   # other tiles: BLOCK_MxBLOCK_N[xWARPS]
     python bench/invariant_linear.py --graphs --tiles 64x16x4x6x128    # calls replayed from a CUDA graph
 
-For each layer (q, k, v, o, gate, up, down, the head) and row count (a decode step of 1 to 256 rows, a
-prefill step of 2048 tokens) it reports microseconds per call, the best of `--repeats` CUDA-event
-timings, for torch and for the kernel; the RMSNorm likewise. Launched one by one, calls of up to a few
-hundred rows are launch-bound (30 to 45 µs a call on the H100 machine); `--graphs` replays them from a
-CUDA graph, as a decode step does, which is the timing to tune the decode tiles by. A last column
-says whether every row's bits are the same as when that row is computed alone: always for the
-kernel (its point), and for torch on this GPU as measured. `--tiles` adds columns for other tiles,
-and whether their bits equal the default tiles' bits (a tile chosen by row count keeps invariance
-only where they do; a BLOCK_K other than the default changes the order of the sums, so only a
+For each layer as a step runs it (q/k/v stacked, o, gate/up stacked, down, the head) and row count (a
+decode step of 1 to 256 rows, a prefill step of 2048 tokens) it reports microseconds per call, the best
+of `--repeats` CUDA-event timings, for torch and for the kernel; the RMSNorm likewise. Launched one by
+one, calls of up to a few hundred rows are launch-bound (30 to 45 µs a call on the H100 machine);
+`--graphs` replays them from a CUDA graph, as a decode step does, which is the timing to tune the decode
+tiles by. A last column says whether every row's bits are the same as when that row is computed alone:
+always for the kernel (its point), and for torch on this GPU as measured. `--tiles` adds columns for
+other tiles, and whether their bits equal the default tiles' bits (a tile chosen by row count keeps
+invariance only where they do; a BLOCK_K other than the default changes the order of the sums, so only a
 layer's own shape may choose it).
 """
 
@@ -78,14 +78,15 @@ def main() -> None:
         "--tiles", nargs="*", default=[], help="other tiles to time: BLOCK_MxBLOCK_N[xWARPS[xSTAGES[xBLOCK_K]]]"
     )
     parser.add_argument("--graphs", action="store_true", help="time calls replayed from a CUDA graph")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts to time")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     hidden, intermediate, heads, kv_heads, head_dim, vocab, num_layers = SHAPES[args.shape]
     layers = {
-        "q/o": (heads * head_dim, hidden),
-        "k/v": (kv_heads * head_dim, hidden),
-        "gate/up": (intermediate, hidden),
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o": (heads * head_dim, hidden),
+        "gate_up": (2 * intermediate, hidden),
         "down": (hidden, intermediate),
         "head": (vocab, hidden),
     }
@@ -98,7 +99,7 @@ def main() -> None:
     totals = {}
     for name, (out_features, in_features) in layers.items():
         weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) / in_features**0.5
-        for rows in ROWS:
+        for rows in args.rows:
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
             out_dtype = torch.float32 if name == "head" else torch.bfloat16
 
@@ -113,8 +114,8 @@ def main() -> None:
             t_kernel = _time_us(kernel, args.repeats, args.graphs)
             torch.testing.assert_close(kernel().float(), torch_linear().float(), rtol=2e-2, atol=2e-2)
             totals.setdefault(rows, [0.0, 0.0])
-            # A forward's calls of this shape: q and o, k and v, gate and up per layer; down per layer; one head.
-            weight_count = 1 if name == "head" else num_layers * (1 if name == "down" else 2)
+            # A forward's calls of this shape: one a layer, one head.
+            weight_count = 1 if name == "head" else num_layers
             totals[rows][0] += weight_count * t_torch
             totals[rows][1] += weight_count * t_kernel
             line = f"| {name} | {rows} | {t_torch:.1f} | {t_kernel:.1f} | {t_kernel / t_torch:.2f} | "
@@ -143,7 +144,7 @@ def main() -> None:
     kernel_norm = InvariantRMSNorm.of(hf_norm)
     print("| RMSNorm rows | Hugging Face µs | kernel µs | HF rows invariant |")
     print("|---|---|---|---|")
-    for rows in ROWS:
+    for rows in args.rows:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         assert _alone_equal(kernel_norm, x)
         t_hf = _time_us(lambda x=x: hf_norm(x), args.repeats, args.graphs)
