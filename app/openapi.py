@@ -1,6 +1,7 @@
 """The OpenAPI document as this server enforces it: FastAPI's, from the routes and wire models, with
 this server's limits filled in where the models cannot know them (the vocabulary, --max-num-seqs,
---max-tokens-limit) and without FastAPI's 422 responses (validation errors are answered 400)."""
+--max-tokens-limit, whether the model takes images) and without FastAPI's 422 responses (validation errors
+are answered 400)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from app.serving.protocol import ServingLimits
-from app.serving.request_rules import TOKEN_ID
+from app.serving.request_rules import IMAGE_PART, TOKEN_ID
 
 _MAX_TOKENS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -32,8 +33,11 @@ def install_openapi(app: FastAPI, limits: Callable[[], ServingLimits | None]) ->
         if served is None:
             return document
         _bound_token_ids(document, served.vocab_size)
-        for schema in document["components"]["schemas"].values():
+        for name, schema in document["components"]["schemas"].items():
             _bound_request(schema.get("properties", {}), served)
+            if schema.get(IMAGE_PART) and not served.takes_images:
+                # A text-only model: every image part is refused (400), so none matches.
+                document["components"]["schemas"][name] = {IMAGE_PART: True, "not": {}}
         app.openapi_schema = document
         return document
 

@@ -99,6 +99,7 @@ def create_app(
             yield
         finally:
             state.engine.shutdown()
+            await state.media_client.aclose()
             if state.audit is not None:
                 state.audit.close()
 

@@ -143,6 +143,20 @@ class Settings(BaseSettings):
     """Largest request body accepted; larger ones get 413."""
     max_tokens_limit: int | None = Field(None, ge=1)
     """Caps every request's max_tokens (and its default); a request asking for more gets 400."""
+    limit_images_per_prompt: int = Field(8, ge=0)
+    """Most images one request may carry (a vision-language model's); more get 400."""
+    max_image_pixels: int = Field(16_777_216, ge=1)
+    """Largest image accepted, in pixels (width x height, read from its header before anything is decoded, so a
+    decompression bomb is refused unopened); larger ones get 400."""
+    max_image_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    """Largest image accepted, in bytes once its data URL is decoded or its URL fetched; larger ones get 400. A
+    data URL also counts against --max-request-bytes."""
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    """Hosts whose http(s) image URLs the server fetches (repeatable; exact host names). None by default: only
+    data: URLs are read, since a server that fetches any URL it is sent can be made to reach what only it can
+    reach (SSRF). Redirects are followed only to these hosts; file: and other schemes are always refused."""
+    media_fetch_timeout: float = Field(10.0, gt=0)
+    """Seconds an image fetch from an allowed host may take in all; slower ones get 400."""
     audit_log: Path | None = None
     """Append one JSON line per finished request to this file (`-` for stderr): who asked for what,
     tokens, finish reason, latency. Off when unset."""

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
@@ -15,7 +16,10 @@ from app.operations.admission import Admission, load_api_keys
 from app.operations.audit import AuditLog
 from app.operations.metrics import Metrics
 from app.operations.sends import SendBatch
-from app.serving.protocol import ServingLimits
+from app.serving.image_prompt import load_images, vision_prompt
+from app.serving.images import ImagePart, MediaPolicy
+from app.serving.prompting import chat_prompt_ids, chat_prompt_text
+from app.serving.protocol import ChatMessage, ServingLimits
 from app.serving.reasoning import ReasoningParser, reasoning_parser
 from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry
@@ -24,6 +28,7 @@ from app.settings import Settings
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
 from engine.engine_client import EngineClient
+from engine.images import ImageInput
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, load_model
 from engine.sampling.grammar import GrammarError
@@ -51,6 +56,9 @@ class ServerState:
     admission: Admission
     metrics: Metrics
     audit: AuditLog | None
+    # What requests' images may be, and the client that fetches those from allowed hosts.
+    media: MediaPolicy
+    media_client: httpx.AsyncClient
 
     def accounting_for(
         self,
@@ -108,6 +116,23 @@ class ServerState:
         except GrammarError as exc:
             raise OpenAIError(400, f"{param}: {exc}", param=param) from exc
         return spec
+
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        tool_use: ToolUse | None,
+        template_kwargs: dict | None,
+        parts: list[ImagePart],
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The conversation's prompt ids and images (`parts`: its image parts, named as the request names
+        them); a 400 naming the part for an image this server or model does not take."""
+        images = await load_images(parts, self.media, self.media_client, self.loaded)
+        tokenizer = self.loaded.tokenizer
+        multimodal = self.loaded.processor is not None
+        if not images:
+            return chat_prompt_ids(tokenizer, messages, tool_use, template_kwargs, multimodal), ()
+        text = chat_prompt_text(tokenizer, messages, tool_use, template_kwargs=template_kwargs, multimodal=True)
+        return await vision_prompt(self.loaded, text, images, parts[0].param)
 
     def reasoning_for(self, prompt_ids: list[int]) -> Reasoning | None:
         """How the chat output that follows this prompt is split (None: it is all answer)."""
@@ -236,6 +261,7 @@ def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, n
             max_num_seqs=config.max_num_seqs,
             stream_interval=settings.stream_interval,
             max_tokens_limit=settings.max_tokens_limit,
+            takes_images=loaded.processor is not None,
         ),
         streams=StreamRegistry(settings.resume_window_seconds, SendBatch.build(settings.cache_dir)),
         responses=ResponseStore(settings.response_retention, engine.unpin),
@@ -243,4 +269,13 @@ def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, n
         admission=Admission(settings.max_queue, config.max_num_seqs * num_replicas),
         metrics=Metrics(model_name, lambda: engine.stats),
         audit=AuditLog(settings.audit_log, settings.audit_log_content) if settings.audit_log else None,
+        media=MediaPolicy(
+            max_images=settings.limit_images_per_prompt,
+            max_pixels=settings.max_image_pixels,
+            max_bytes=settings.max_image_bytes,
+            fetch_timeout=settings.media_fetch_timeout,
+            allowed_domains=frozenset(domain.lower() for domain in settings.allowed_media_domains),
+        ),
+        # Redirects are followed by hand, each checked against the allowed hosts; no proxy from the environment.
+        media_client=httpx.AsyncClient(follow_redirects=False, trust_env=False),
     )

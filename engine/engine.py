@@ -10,6 +10,7 @@ from collections.abc import Callable
 from engine.channel import StreamChannel
 from engine.config import EngineConfig, EngineStats
 from engine.future_tokens import FutureTokens
+from engine.images import ImageInput
 from engine.inbox import AbortAll, Inbox, Unpin
 from engine.kv_cache import BlockManager
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
@@ -123,14 +124,19 @@ class Engine:
         running.wait()
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, channel: StreamChannel
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        channel: StreamChannel,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         """Queue a request without waiting; after shutdown it is ended at once with an error.
 
         With `params.n` > 1 the channel must expect n choices; they are forked off this
-        request once its prompt is prefilled.
+        request once its prompt is prefilled. `images` are the prompt's (a vision-language model's).
         """
-        request = self.choices.new_request(request_id, prompt_token_ids, params, channel, index=0)
+        request = self.choices.new_request(request_id, prompt_token_ids, params, channel, index=0, images=images)
         if not self.inbox.put_request(request):
             self.output.end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
             self.output.flush()

@@ -8,6 +8,7 @@ from typing import Protocol
 from engine.channel import StreamChannel
 from engine.config import EngineConfig, EngineStats
 from engine.detokenizer import TokenBytes
+from engine.images import ImageInput
 from engine.sampling.grammar import GrammarCompiler
 from engine.types import SamplingParams
 
@@ -20,7 +21,12 @@ class EngineClient(Protocol):
     grammars: GrammarCompiler
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, channel: StreamChannel
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        channel: StreamChannel,
+        images: tuple[ImageInput, ...] = (),
     ) -> None: ...
 
     def unpin(self, key: str) -> None: ...

@@ -162,13 +162,18 @@ class BlockManager:
 
     def _hashes(self, request: Request, num_blocks: int) -> list[int]:
         """Hashes of the first `num_blocks` full blocks of the request's tokens, each chained to
-        the one before it, so equal hashes mean equal prefixes. Tokens only ever append, so the
+        the one before it, so equal hashes mean equal prefixes (the hashes of the images whose tokens a
+        block holds are part of its key). Tokens only ever append, so the
         request keeps what was computed. Python's tuple hash is 64 bits: a collision between
         two different prefixes is astronomically unlikely at the cache sizes used here."""
         hashes, size = request.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             start = len(hashes) * size
-            hashes.append(hash((hashes[-1] if hashes else None, *request.token_ids[start : start + size])))
+            key = (hashes[-1] if hashes else None, *request.token_ids[start : start + size])
+            if request.images:
+                # An image's tokens are one placeholder id whatever the image: its content hash tells them apart.
+                key += tuple(i.content_hash for i in request.images if i.start < start + size and i.end > start)
+            hashes.append(hash(key))
         return hashes[:num_blocks]
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:

@@ -15,6 +15,7 @@ from engine.types import FinishReason, SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from engine.channel import StreamChannel
     from engine.detokenizer import IncrementalDetokenizer, StopMatcher
+    from engine.images import ImageInput
     from engine.sampling.grammar import Constraint
 
 
@@ -57,6 +58,8 @@ class Request:
     stop_matcher: StopMatcher
     # Which of the n choices this is; choices of one request share the channel.
     index: int = 0
+    # The prompt's images, by position (a vision-language model's): their embeddings fill their tokens'.
+    images: tuple[ImageInput, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

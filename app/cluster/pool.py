@@ -16,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.channel import StreamChannel
 from engine.config import EngineConfig, EngineStats
+from engine.images import ImageInput
 from engine.model.loader import LoadedModel
 from engine.sampling.grammar import GrammarCompiler
 from engine.types import Chunk, FinishReason, SamplingParams
@@ -62,7 +63,12 @@ class ReplicaPool:
         self._closed = False
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, channel: StreamChannel
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        channel: StreamChannel,
+        images: tuple[ImageInput, ...] = (),
     ) -> None:
         relay = _Relay(channel, params.n)
         if self._closed:
@@ -73,14 +79,21 @@ class ReplicaPool:
         # that request ends, and a resumable stream outlives its first reader's request. Cancels reach the
         # replica through the channel instead.
         relay.task = contextvars.Context().run(
-            channel.loop.create_task, self._run(relay, request_id, prompt_token_ids, params)
+            channel.loop.create_task, self._run(relay, request_id, prompt_token_ids, params, images)
         )
         self._relays.add(relay)
         relay.task.add_done_callback(lambda _: self._relays.discard(relay))
         channel.on_cancel = lambda: relay.abort(FinishReason.CANCELLED, None)
 
-    async def _run(self, relay: _Relay, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        chunks = self._streams.generate.remote(request_id, prompt_token_ids, params)
+    async def _run(
+        self,
+        relay: _Relay,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: tuple[ImageInput, ...],
+    ) -> None:
+        chunks = self._streams.generate.remote(request_id, prompt_token_ids, params, images)
         try:
             async for chunk in chunks:
                 if relay.channel.accept(chunk):

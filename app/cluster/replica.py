@@ -11,6 +11,7 @@ from app.state import build_engine
 from engine.channel import StreamChannel
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.images import ImageInput
 from engine.model.host_memory import keep_freed_memory, return_freed_memory, tune_collector
 from engine.types import Chunk, SamplingParams
 
@@ -44,12 +45,16 @@ class EngineReplica:
         self.engine = engines[0]
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[Chunk]:
         """The request's chunks up to its last terminal one; cancelled (the ingress's client left), the
         request is cancelled in the engine, which frees its KV blocks at its next step."""
         channel = StreamChannel(asyncio.get_running_loop(), num_choices=params.n)
-        self.engine.submit(request_id, prompt_token_ids, params, channel)
+        self.engine.submit(request_id, prompt_token_ids, params, channel, images)
         try:
             async for chunk in channel:
                 yield chunk

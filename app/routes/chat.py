@@ -6,8 +6,8 @@ from fastapi import APIRouter, Depends, Request
 from sse_starlette import EventSourceResponse
 
 from app.operations.admission import admit, require_api_key
+from app.serving.image_prompt import image_parts
 from app.serving.payloads import ChatCompletion
-from app.serving.prompting import chat_prompt_ids
 from app.serving.protocol import ChatCompletionRequest
 from app.serving.sse import STREAMED_200, event_stream
 from app.serving.streaming import CompletionRenderer
@@ -22,7 +22,9 @@ async def create_chat_completion(
 ) -> EventSourceResponse | ChatCompletion:
     state.check_model(body.model)
     tool_use = body.tool_use()
-    prompt_ids = chat_prompt_ids(state.loaded.tokenizer, body.messages, tool_use, body.chat_template_kwargs)
+    prompt_ids, images = await state.chat_prompt(
+        body.messages, tool_use, body.chat_template_kwargs, image_parts(body.messages)
+    )
     grammar = await state.output_grammar(body.grammar(), tool_use)
     reasoning = state.reasoning_for(prompt_ids)
     params = body.to_sampling_params(len(prompt_ids), state.limits, grammar, reasoning)
@@ -44,6 +46,7 @@ async def create_chat_completion(
         accounting,
         parses_tools=tool_use is not None,
         splits_reasoning=reasoning is not None,
+        images=images,
     )
     if not body.stream:
         return await renderer.fold()

@@ -10,12 +10,14 @@ from sse_starlette import EventSourceResponse
 
 from app.errors import OpenAIError
 from app.operations.admission import admit, require_api_key
-from app.serving.prompting import chat_prompt_ids, continuation_ids
+from app.serving.image_prompt import image_parts
+from app.serving.prompting import continuation_ids
 from app.serving.responses import Conversation, ResponseRun, new_response_id
 from app.serving.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
 from app.serving.sse import STREAMED_200, event_stream
 from app.serving.streaming import CompletionRenderer
 from app.state import ServerState, get_state
+from engine.images import ImageInput
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -36,7 +38,7 @@ async def create_response(
     state.check_model(body.model)
     body.check()
     tool_use = body.tool_use()
-    conversation = _conversation(body, state, tool_use)
+    conversation, images = await _conversation(body, state, tool_use)
     grammar = await state.output_grammar(body.grammar(), tool_use)
     response_id = new_response_id()
     reasoning = state.reasoning_for(conversation.prompt_ids)
@@ -59,6 +61,7 @@ async def create_response(
         include_usage=False,
         accounting=accounting,
         completion_id=response_id,
+        images=images,
     )
     response = ResponseObject(
         id=response_id,
@@ -87,15 +90,19 @@ async def create_response(
     return event_stream(_events(run, after=-1, cancel_on_leave=not body.store), state.settings.keepalive_seconds)
 
 
-def _conversation(body: ResponsesRequest, state: ServerState, tool_use) -> Conversation:
-    """The turn's messages and prompt ids: a new conversation, or one continued from a stored response
-    (its own token ids plus the new input when the template allows, else the whole history re-rendered)."""
+async def _conversation(
+    body: ResponsesRequest, state: ServerState, tool_use
+) -> tuple[Conversation, tuple[ImageInput, ...]]:
+    """The turn's messages, prompt ids and images: a new conversation, or one continued from a stored response
+    (its own token ids plus the new input when the template allows and it has no images, else the whole
+    history re-rendered, its images read again)."""
     tokenizer = state.loaded.tokenizer
     instructions = body.instruction_messages()
     new = body.input_messages()
+    parts = body.image_parts()
     if body.previous_response_id is None:
-        prompt_ids = chat_prompt_ids(tokenizer, [*instructions, *new], tool_use)
-        return Conversation(body.instructions, tool_use, new, prompt_ids)
+        prompt_ids, images = await state.chat_prompt([*instructions, *new], tool_use, None, parts)
+        return Conversation(body.instructions, tool_use, new, prompt_ids), images
     previous = state.responses.get(body.previous_response_id)
     if previous is None or not previous.response.store:
         raise _not_found(body.previous_response_id)
@@ -103,14 +110,16 @@ def _conversation(body: ResponsesRequest, state: ServerState, tool_use) -> Conve
         raise OpenAIError(400, "previous_response_id names a response still in progress", param="previous_response_id")
     earlier = previous.conversation
     history = earlier.with_reply()
-    prompt_ids = None
-    if earlier.instructions == body.instructions and earlier.tool_use == tool_use:
+    # Images the earlier turns sent are read again, named by the response that holds them.
+    parts = [replace(part, param="previous_response_id") for part in image_parts(history)] + parts
+    if earlier.instructions == body.instructions and earlier.tool_use == tool_use and not parts:
         prompt_ids = continuation_ids(
             tokenizer, earlier.prompt_ids, earlier.output_ids, [*instructions, *history], new, tool_use
         )
-    if prompt_ids is None:
-        prompt_ids = chat_prompt_ids(tokenizer, [*instructions, *history, *new], tool_use)
-    return Conversation(body.instructions, tool_use, [*history, *new], prompt_ids)
+        if prompt_ids is not None:
+            return Conversation(body.instructions, tool_use, [*history, *new], prompt_ids), ()
+    prompt_ids, images = await state.chat_prompt([*instructions, *history, *new], tool_use, None, parts)
+    return Conversation(body.instructions, tool_use, [*history, *new], prompt_ids), images
 
 
 async def _events(run: ResponseRun, after: int, cancel_on_leave: bool):

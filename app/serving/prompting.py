@@ -33,9 +33,10 @@ def chat_prompt_ids(
     messages: list[ChatMessage],
     tool_use: ToolUse | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    multimodal: bool = False,
 ) -> list[int]:
     """Render the conversation with the tokenizer's chat template, ending on the assistant's turn."""
-    text = chat_prompt_text(tokenizer, messages, tool_use, template_kwargs=template_kwargs)
+    text = chat_prompt_text(tokenizer, messages, tool_use, template_kwargs=template_kwargs, multimodal=multimodal)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -45,9 +46,12 @@ def chat_prompt_text(
     tool_use: ToolUse | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    multimodal: bool = False,
 ) -> str:
     """The conversation as the chat template renders it; `template_kwargs` are the request's own
-    variables for the template (`chat_template_kwargs`)."""
+    variables for the template (`chat_template_kwargs`). `multimodal`: every message's content goes to the
+    template as a list of parts, an image part as `{"type": "image"}` where its placeholder goes, as a
+    vision-language model's template reads them."""
     if not tokenizer.chat_template:
         raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
     if taken := sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS):
@@ -62,6 +66,12 @@ def chat_prompt_text(
         tools = None
         if tool_use is not None:
             conversation = _with_system_prompt(conversation, tool_use.system_prompt())
+    if multimodal:
+        # A system prompt the tools added stands before the messages.
+        aligned = [None] * (len(conversation) - len(messages)) + list(messages)
+        conversation = [
+            {**rendered, "content": _parts(rendered["content"], m)} for rendered, m in zip(conversation, aligned)
+        ]
     try:
         return tokenizer.apply_chat_template(
             conversation,
@@ -110,6 +120,16 @@ def _text_message(message: ChatMessage) -> dict:
         calls = "\n".join(render_call(c.function.name, c.function.arguments) for c in message.tool_calls)
         content = f"{content}\n{calls}" if content else calls
     return {"role": _ROLE_ALIASES.get(message.role, message.role), "content": content}
+
+
+def _parts(content: str, message: ChatMessage | None) -> list[dict]:
+    """A rendered message's content as template parts: its text, its images where the message has them."""
+    if message is None or not message.image_urls() or not isinstance(message.content, list):
+        return [{"type": "text", "text": content}] if content else []
+    # The message's own parts in order; what rendering added (tool calls written out) follows as text.
+    parts = [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in message.content]
+    extra = content[len(message.text()) :] if content.startswith(message.text()) else ""
+    return [*parts, *([{"type": "text", "text": extra}] if extra else [])]
 
 
 def _with_system_prompt(conversation: list[dict], prompt: str) -> list[dict]:

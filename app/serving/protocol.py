@@ -13,6 +13,7 @@ from app.errors import OpenAIError
 from app.serving.json_schema import decoded_schema
 from app.serving.request_rules import (
     BEST_OF_ONE,
+    IMAGE_PART,
     LOGIT_BIAS,
     NOT_NULL_SCHEMA,
     ONE_PROMPT,
@@ -49,6 +50,8 @@ class ServingLimits:
     stream_interval: int
     # The operator's cap on max_tokens (--max-tokens-limit); None: the context is the only bound.
     max_tokens_limit: int | None = None
+    # Whether the model takes images (a vision-language model's processor); the document allows them only then.
+    takes_images: bool = False
 
 
 MAX_STOP_SEQUENCES = 4
@@ -310,6 +313,23 @@ class TextContentPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str
+    """A data: URL (PNG, JPEG, WebP, GIF), or an http(s) URL on a host --allowed-media-domains names."""
+    detail: Literal["auto", "low", "high"] = "auto"
+    """Accepted and not read: the model's processor decides the resolution."""
+
+
+class ImageContentPart(_Request):
+    model_config = ConfigDict(json_schema_extra={IMAGE_PART: True})
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class FunctionCall(_Request):
     name: str
     # The arguments as a JSON text, as OpenAI sends them.
@@ -364,7 +384,7 @@ class ChatMessage(_Request):
     model_config = ConfigDict(json_schema_extra=TOOL_MESSAGE)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     # An assistant turn's calls, and a tool result's answer to one of them.
     tool_calls: list[ToolCall] | None = None
@@ -378,11 +398,18 @@ class ChatMessage(_Request):
         return self
 
     def text(self) -> str:
+        """The message's text parts, joined (its images left out)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """The URLs of the message's image parts, each with its part's index in `content`."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part.image_url.url) for i, part in enumerate(self.content) if isinstance(part, ImageContentPart)]
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -10,6 +10,8 @@ from typing import Any
 # Marks a token id in the wire models' JSON schemas: the OpenAPI document bounds it by the served
 # model's vocabulary (app/openapi.py), which the models do not know.
 TOKEN_ID = "x-token-id"
+# Marks an image part: on a server of a text-only model the document allows none (app/openapi.py).
+IMAGE_PART = "x-image-part"
 
 
 # format_grammar's rule, declared: a json_schema format has a schema (`holder`: where it sits).

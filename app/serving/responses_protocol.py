@@ -11,11 +11,15 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
 
 from app.errors import OpenAIError
+from app.serving.images import ImagePart
 from app.serving.protocol import (
     WHOLE,
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
+    ImageContentPart,
+    ImageURL,
+    TextContentPart,
     ToolCall,
     _Request,
     _SamplingRequest,
@@ -23,6 +27,7 @@ from app.serving.protocol import (
     resolve_tool_use,
 )
 from app.serving.request_rules import (
+    IMAGE_PART,
     NOT_NULL_SCHEMA,
     TOOL_CHOICE_NEEDS_TOOLS,
     UNCONSTRAINED,
@@ -39,13 +44,33 @@ class InputText(_Request):
     text: str
 
 
+class InputImage(_Request):
+    model_config = ConfigDict(json_schema_extra={IMAGE_PART: True})
+
+    type: Literal["input_image"]
+    image_url: str
+    """A data: URL (PNG, JPEG, WebP, GIF), or an http(s) URL on a host --allowed-media-domains names."""
+    detail: Literal["auto", "low", "high"] = "auto"
+    """Accepted and not read: the model's processor decides the resolution."""
+
+
 class MessageInput(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+    def chat_content(self) -> str | list[TextContentPart | ImageContentPart]:
+        """The content as a chat message's: its text, or its parts where it has images."""
+        if isinstance(self.content, str):
+            return self.content
+        if not any(isinstance(part, InputImage) for part in self.content):
+            return "".join(part.text for part in self.content if isinstance(part, InputText))
+        return [
+            ImageContentPart(type="image_url", image_url=ImageURL(url=part.image_url, detail=part.detail))
+            if isinstance(part, InputImage)
+            else TextContentPart(type="text", text=part.text)
+            for part in self.content
+        ]
 
 
 class FunctionCallInput(_Request):
@@ -156,6 +181,18 @@ class ResponsesRequest(_SamplingRequest):
         named = self.tool_choice.name if isinstance(self.tool_choice, NamedFunctionChoice) else None
         return resolve_tool_use(self.tools, self.tool_choice, named, self.parallel_tool_calls)
 
+    def image_parts(self) -> list[ImagePart]:
+        """The input's images in order, named as the request names them (input[1].content[0].image_url)."""
+        if isinstance(self.input, str):
+            return []
+        return [
+            ImagePart(part.image_url, f"input[{i}].content[{j}].image_url")
+            for i, item in enumerate(self.input)
+            if isinstance(item, MessageInput) and isinstance(item.content, list)
+            for j, part in enumerate(item.content)
+            if isinstance(part, InputImage)
+        ]
+
     def instruction_messages(self) -> list[ChatMessage]:
         return [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
 
@@ -167,7 +204,7 @@ class ResponsesRequest(_SamplingRequest):
         messages: list[ChatMessage] = []
         for item in self.input:
             if isinstance(item, MessageInput):
-                messages.append(ChatMessage(role=item.role, content=item.text()))
+                messages.append(ChatMessage(role=item.role, content=item.chat_content()))
             elif isinstance(item, FunctionCallInput):
                 call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
                 if messages and messages[-1].role == "assistant":

@@ -42,6 +42,7 @@ from engine import types as engine_types
 from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
 from engine.engine_client import EngineClient
+from engine.images import ImageInput
 from engine.types import Chunk, FinishReason, SamplingParams, TokenLogprob
 
 Kind = Literal["chat", "text"]
@@ -135,8 +136,10 @@ class CompletionRenderer:
         parses_tools: bool = False,
         completion_id: str | None = None,
         splits_reasoning: bool = False,
+        images: tuple[ImageInput, ...] = (),
     ) -> CompletionRenderer:
-        """Submit the request; `accounting`, given the completion id, makes its accounting."""
+        """Submit the request (with its prompt's `images`); `accounting`, given the completion id, makes its
+        accounting."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         renderer = cls(
             kind=kind,
@@ -153,7 +156,7 @@ class CompletionRenderer:
         )
         if accounting is not None:
             renderer.accounting = accounting(renderer.completion_id)
-        engine.submit(renderer.completion_id, prompt_token_ids, params, renderer.channel)
+        engine.submit(renderer.completion_id, prompt_token_ids, params, renderer.channel, images)
         return renderer
 
     async def events(self) -> AsyncIterator[str]:

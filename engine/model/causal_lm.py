@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata
-from engine.model.families import family_of
+from engine.model.families import family_of, vision_of
 from engine.model.layers import NO_FUSIONS, ExpertsKernel, Fusions, LayerOps, Replacement
 from engine.model.quant import Int4Weight
 
@@ -33,6 +33,15 @@ class HeadOutput:
     block_max: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ImageRows:
+    """Image embeddings for a forward: row i of `embeddings` replaces the embedding of token `indices[i]`
+    of the step (after the family's own embedding, as Hugging Face's models put them)."""
+
+    indices: torch.Tensor
+    embeddings: torch.Tensor
+
+
 class PagedCausalLM:
     """Runs the HF model's modules as its family (engine/model/families/) composes them, with attention
     over the paged cache so requests of any length share one forward.
@@ -48,9 +57,14 @@ class PagedCausalLM:
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         # Raises UnsupportedModelError for a model_type no family serves.
-        self.family = family_of(hf_model)
-        config = hf_model.config
-        inner = hf_model.model
+        # A vision-language model's images (None for a text model); its decoder is run as a text model's.
+        self.vision = vision_of(hf_model)
+        text = self.vision.language() if self.vision is not None else hf_model
+        self.family = family_of(text)
+        config = text.config
+        inner = text.model
+        # The modules the decoder runs (through LayerOps, on whichever kernels): its layers and the head.
+        self.decoder_modules: tuple[torch.nn.Module, ...] = (*inner.modules(), hf_model.lm_head)
         self.embed_tokens = inner.embed_tokens
         self.layers = list(inner.layers)
         self.norm = inner.norm
@@ -61,6 +75,7 @@ class PagedCausalLM:
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
         self.vocab_size = config.vocab_size
+        self.max_position_embeddings: int = config.max_position_embeddings
         self.dtype = hf_model.dtype
         self.device = hf_model.device
         self.int4_max_tokens = 0
@@ -139,8 +154,10 @@ class PagedCausalLM:
         kv_cache: KVCache,
         logits_indices: torch.Tensor,
         allow_int4: bool = True,
+        image_rows: ImageRows | None = None,
     ) -> HeadOutput:
-        """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`."""
+        """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`; `image_rows` puts
+        images' embeddings in place of their tokens' (a vision-language model's prompts)."""
         small = allow_int4 and input_ids.shape[0] <= self.int4_max_tokens
         ops = (
             LayerOps(self._small_step_linears, self._norms, kv_cache, meta, self._experts)
@@ -149,6 +166,8 @@ class PagedCausalLM:
         )
         family = self.family
         hidden = family.embed(self.embed_tokens, input_ids)
+        if image_rows is not None:
+            hidden[image_rows.indices] = image_rows.embeddings.to(hidden.dtype)
         rotary = family.rotary(hidden, positions)
         for index, layer in enumerate(self.layers):
             hidden = family.layer(ops, index, layer, hidden, rotary)

@@ -19,14 +19,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from gguf import GGMLQuantizationType, quants  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+)
 
 from engine.detokenizer import TokenBytes  # noqa: E402
 from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  # noqa: E402
 from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
-from engine.model.families import ModelFolderError, family_for  # noqa: E402
+from engine.model.families import ModelFolderError, family_for, vision_family_for  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.layers import Fusions  # noqa: E402
 from engine.model.moe import ExpertLinears, sparse_blocks  # noqa: E402
@@ -56,6 +65,9 @@ class LoadedModel:
     max_position_embeddings: int
     # Sluice's CPU kernels, for the sampler; None on a GPU or where they cannot run.
     cpu_kernels: ctypes.CDLL | None = None
+    # A vision-language model's processor (from the folder): images → tower inputs, placeholders → image
+    # tokens. None for a text model, which takes no images.
+    processor: ProcessorMixin | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -167,7 +179,12 @@ def load_model(
     int4_tokens = resolve_int4_max_tokens(int4_max_tokens, model is None, torch_device, batch_invariant)
     # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
     load_dtype = torch.float32 if int4_tokens else torch_dtype
-    hf_model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, output_loading_info=True)
+    vision = model is not None and vision_family_for(AutoConfig.from_pretrained(path).model_type) is not None
+    processor = AutoProcessor.from_pretrained(path) if vision else None
+    if processor is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = processor.chat_template
+    auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    hf_model, loading = auto_model.from_pretrained(path, dtype=load_dtype, output_loading_info=True)
     if loading["missing_keys"]:
         # transformers would fill them with random values and only log it.
         missing = sorted(loading["missing_keys"])
@@ -179,7 +196,8 @@ def load_model(
     # The decoder layers only: the output head is where 4 bits cost the most (on the default model,
     # whose head ships as Q8_0, an int4 head agreed with float32 on the top token 87% of the time
     # over 1024 positions of text, against 97% for a bf16 head).
-    int4 = int4_copies(hf_model.model, torch_dtype) if int4_tokens else {}
+    decoder = hf_model.model.language_model if vision else hf_model.model
+    int4 = int4_copies(decoder, torch_dtype) if int4_tokens else {}
     for parameter in hf_model.parameters():
         # Parameters only: buffers such as the rotary inv_freq keep their float32 precision.
         parameter.data = parameter.data.to(torch_dtype)
@@ -205,8 +223,9 @@ def load_model(
         name=name,
         path=path,
         eos_token_ids=eos,
-        max_position_embeddings=hf_model.config.max_position_embeddings,
+        max_position_embeddings=paged.max_position_embeddings,
         cpu_kernels=load_library(cache_dir) if torch_device.type == "cpu" else None,
+        processor=processor,
     )
 
 
@@ -224,12 +243,28 @@ def check_model_folder(path: Path) -> None:
         raise ModelFolderError(f"{config_file} is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelFolderError(f"{config_file} has no 'model_type'")
-    family = family_for(config["model_type"])
+    model_type = config["model_type"]
+    if vision_family_for(model_type) is not None:
+        # A vision-language model: its decoder's fields are in text_config (transformers fills in the rest).
+        config = config.get("text_config") or {}
+        for file in ("preprocessor_config.json", "processor_config.json"):
+            if (path / file).is_file():
+                break
+        else:
+            raise ModelFolderError(f"{path} has no preprocessor_config.json or processor_config.json for {model_type}")
+        text_type = config.get("model_type")
+        if text_type is None:
+            return _check_weights(path)
+        family, model_type = family_for(text_type), f"{model_type}'s text_config"
+    else:
+        family = family_for(model_type)
     missing = [field for field in family.required_config if field not in config]
     if missing:
-        raise ModelFolderError(
-            f"{config_file} lacks {', '.join(map(repr, missing))}, which {config['model_type']} needs"
-        )
+        raise ModelFolderError(f"{config_file} lacks {', '.join(map(repr, missing))}, which {model_type} needs")
+    _check_weights(path)
+
+
+def _check_weights(path: Path) -> None:
     for weights in _WEIGHTS_FILES:
         if (path / weights).is_file():
             return
@@ -279,7 +314,8 @@ def use_invariant_kernels(
     blocks = shipped_blocks(gguf, hf_model) if gguf is not None and quantize is None else {}
     shared = {hf_model.get_input_embeddings().weight.data_ptr()}
     packed = {}
-    for module in hf_model.modules():
+    # The decoder's layers only: a vision tower runs as Hugging Face's modules (engine/model/families/vision.py).
+    for module in paged.decoder_modules:
         if isinstance(module, torch.nn.Linear):
             if quantize is not None and module.in_features % 32 == 0:
                 form = WeightForm.Q8_0 if quantize == "q8_0" or module is paged.lm_head else WeightForm.Q4_1
@@ -291,7 +327,7 @@ def use_invariant_kernels(
             )
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
-    experts = {block: _pack_experts(library, block) for block in sparse_blocks(hf_model)}
+    experts = {block: _pack_experts(library, block) for block in sparse_blocks(paged.decoder_modules[0])}
     paged.use_kernels(library, packed, experts)
     forms = Counter(linear.form.name for linear in packed.values())
     logger.info(
@@ -350,12 +386,12 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
     # Before the layers' own kernels: stacking makes their weights views of the stacks.
     groups = stack_projections(hf_model)
     linears = {
-        module: InvariantLinear.of(module) for module in hf_model.modules() if isinstance(module, torch.nn.Linear)
+        module: InvariantLinear.of(module) for module in paged.decoder_modules if isinstance(module, torch.nn.Linear)
     }
     linears[paged.lm_head] = InvariantLinear.of(paged.lm_head, torch.float32)
     norms = {
         module: InvariantRMSNorm.of(module)
-        for module in hf_model.modules()
+        for module in paged.decoder_modules
         if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
     }
     experts = {
@@ -364,7 +400,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
             tuple(InvariantLinear(weight, None, weight.dtype) for weight in block.experts.gate_up_proj.detach()),
             tuple(InvariantLinear(weight, None, weight.dtype) for weight in block.experts.down_proj.detach()),
         )
-        for block in sparse_blocks(hf_model)
+        for block in sparse_blocks(paged.decoder_modules[0])
     }
     fusions = gpu_fusions(hf_model, groups, norms)
     paged.use_gpu_kernels(linears, norms, experts, fusions)

@@ -9,6 +9,7 @@ from enum import Enum
 
 import torch
 
+from engine.encoder_cache import EncoderCache
 from engine.kv_cache import KVCache
 from engine.model.attention import (
     AttentionMetadata,
@@ -19,6 +20,7 @@ from engine.model.attention import (
 )
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import DecodeGraphs, Replay
+from engine.model.image_embedder import ImageEmbedder
 from engine.model.uploads import long_tensor
 from engine.request import Request
 from engine.scheduler import StepPlan
@@ -46,8 +48,14 @@ class Segment:
 class ModelRunner:
     """Owns the KV storage and the only calls into the model."""
 
-    def __init__(self, model: PagedCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: PagedCausalLM, num_blocks: int, block_size: int, encoder_cache_rows: int = 1 << 14
+    ) -> None:
         self.model = model
+        # A vision-language model's image embeddings (None for a text model: no work per step).
+        self.images = (
+            ImageEmbedder(model.vision, EncoderCache(encoder_cache_rows)) if model.vision is not None else None
+        )
         self.block_size = block_size
         self.device = model.device
         # The GPU's paged attention kernels, where they run (else SDPA over gathered contexts).
@@ -147,11 +155,13 @@ class ModelRunner:
                 logits_indices.extend(range(len(input_ids) - (end - start), len(input_ids)))
             elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
+        image_rows = self.images.rows(segments) if self.images is not None else None
         graphs = self.graphs
         # Decodes only (a token per segment), each wanting its logits: the captured graph of its size
         # (if it can read the placeholders among them).
         if (
             graphs is not None
+            and image_rows is None
             and 0 < len(segments) == len(input_ids) == len(logits_indices) <= graphs.max_batch
             and (resolve is None or graphs.placeholders is not None)
         ):
@@ -181,6 +191,7 @@ class ModelRunner:
             self.kv_cache,
             self._tensor(logits_indices),
             allow_int4=not computes_prompt,
+            image_rows=image_rows,
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

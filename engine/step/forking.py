@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
+from engine.images import ImageInput
 from engine.kv_cache import BlockManager
 from engine.model.runner import ModelRunner
 from engine.request import Request
@@ -32,13 +33,20 @@ class Choices:
         self.scheduler = scheduler
 
     def new_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, channel: StreamChannel, index: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        channel: StreamChannel,
+        index: int,
+        images: tuple[ImageInput, ...] = (),
     ) -> Request:
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             params=params,
             channel=channel,
+            images=images,
             detokenizer=IncrementalDetokenizer(self.token_bytes),
             stop_matcher=StopMatcher(params.stop),
             index=index,
@@ -69,7 +77,7 @@ class Choices:
             parent.num_pending_forks = 0
             for index in range(1, parent.params.n):
                 child = self.new_request(
-                    parent.request_id, parent.prompt_token_ids, parent.params, parent.channel, index
+                    parent.request_id, parent.prompt_token_ids, parent.params, parent.channel, index, parent.images
                 )
                 child.arrival_time, child.first_scheduled_time = parent.arrival_time, parent.first_scheduled_time
                 if parent.constraint is not None:

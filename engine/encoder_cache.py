@@ -1,0 +1,45 @@
+"""EncoderCache: images' embeddings by content hash, so the vision tower runs once per distinct image."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+class EncoderCache:
+    """The vision tower's outputs ([rows, hidden] each) by ImageInput.content_hash, least recently used
+    dropped first once they hold more than `max_rows` rows. An image's embeddings depend on the image
+    alone, so a dropped one computed again has the same bits: the cache saves work, never changes
+    outputs. It serves a request's n choices, its recomputation after preemption, and later requests
+    that send the same image (a conversation's next turn, a retry)."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._num_rows = 0
+        # Images looked up, and how many were found (the encoder cache's hit rate).
+        self.num_queries = 0
+        self.num_hits = 0
+
+    def get(self, content_hash: int) -> torch.Tensor | None:
+        self.num_queries += 1
+        embeddings = self._entries.get(content_hash)
+        if embeddings is not None:
+            self.num_hits += 1
+            self._entries.move_to_end(content_hash)
+        return embeddings
+
+    def put(self, content_hash: int, embeddings: torch.Tensor) -> None:
+        """Keep `embeddings`; an image larger than the whole cache is still kept, alone, until the next put."""
+        if content_hash in self._entries:
+            return
+        self._entries[content_hash] = embeddings
+        self._num_rows += embeddings.shape[0]
+        while self._num_rows > self.max_rows and len(self._entries) > 1:
+            _, dropped = self._entries.popitem(last=False)
+            self._num_rows -= dropped.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows

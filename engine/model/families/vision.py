@@ -1,0 +1,101 @@
+"""VisionFamily: what a vision-language model does with images, beside its decoder (a DecoderFamily run over
+its language model): the processor's outputs split per image, an image's embeddings from its vision tower
+and projector, and the prompt positions they fill. A family's file says only what differs from the defaults
+here, which are LLaVA's (one contiguous run of image tokens per image, every tower input stacked by image)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from engine.images import ImageInput
+
+
+@dataclass(frozen=True)
+class LanguagePart:
+    """A vision-language model's decoder as a DecoderFamily reads a text model: its config and inner model."""
+
+    config: PretrainedConfig
+    model: torch.nn.Module
+
+
+class VisionFamily:
+    """Built from the Hugging Face model (whose modules hold the tower's weights)."""
+
+    # The config.model_type values this family serves.
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # The processor's outputs that are not the tower's inputs.
+    text_outputs: ClassVar[frozenset[str]] = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+
+    def __init__(self, hf_model: PreTrainedModel) -> None:
+        self.hf_model = hf_model
+        self.image_token_id: int = hf_model.config.image_token_id
+
+    def language(self) -> LanguagePart:
+        return LanguagePart(self.hf_model.config.text_config, self.hf_model.model.language_model)
+
+    def split(self, outputs: Mapping[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:
+        """The tower's inputs for each image alone, from the processor's outputs for all of them."""
+        inputs = {name: value for name, value in outputs.items() if name not in self.text_outputs}
+        return [{name: value[i : i + 1] for name, value in inputs.items()} for i in range(num_images)]
+
+    def rows_per_image(self, per_image: Sequence[Mapping[str, torch.Tensor]], num_rows: int) -> list[int]:
+        """How many embedding rows (image tokens) each image has, of the prompt's `num_rows`."""
+        return [num_rows // len(per_image)] * len(per_image)
+
+    @torch.inference_mode()
+    def encode(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One image's embeddings [rows, hidden], in the order its tokens come in the prompt."""
+        device = self.hf_model.device
+        features: Any = self.hf_model.model.get_image_features(
+            **{name: value.to(device) for name, value in inputs.items()}
+        ).pooler_output
+        if isinstance(features, (list, tuple)):
+            features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+        return features.reshape(-1, features.shape[-1]).to(self.hf_model.dtype)
+
+    def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids as the processor expands its image placeholders, and its images."""
+        outputs = processor(text=[text], images=list(images), return_tensors="pt")
+        ids: list[int] = outputs["input_ids"][0].tolist()
+        runs = _runs(ids, self.image_token_id)
+        per_image = self.split(outputs, len(images))
+        num_rows = sum(length for _, length in runs)
+        counts = self.rows_per_image(per_image, num_rows)
+        if sum(counts) != num_rows:
+            raise ValueError(f"the processor wrote {num_rows} image tokens for images of {sum(counts)} embeddings")
+        return ids, tuple(ImageInput.of(own, inputs) for own, inputs in zip(_deal(runs, counts), per_image))
+
+
+def _runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `token_id` in `ids`."""
+    runs: list[tuple[int, int]] = []
+    for position, token in enumerate(ids):
+        if token != token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((position, 1))
+    return runs
+
+
+def _deal(runs: list[tuple[int, int]], counts: list[int]) -> list[tuple[tuple[int, int], ...]]:
+    """The runs split among images in order, `counts[i]` positions to image i (a run may be split)."""
+    dealt: list[tuple[tuple[int, int], ...]] = []
+    pending = list(runs)
+    for count in counts:
+        own: list[tuple[int, int]] = []
+        while count:
+            start, length = pending.pop(0)
+            take = min(length, count)
+            own.append((start, take))
+            if take < length:
+                pending.insert(0, (start + take, length - take))
+            count -= take
+        dealt.append(tuple(own))
+    return dealt

@@ -1,0 +1,66 @@
+"""ImageEmbedder: a step's image embeddings, laid where the forward reads them; the vision tower runs here,
+on the engine thread, before the forward whose prompt chunks hold an image's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.encoder_cache import EncoderCache
+from engine.images import ImageInput
+from engine.model.causal_lm import ImageRows
+from engine.model.families.vision import VisionFamily
+
+if TYPE_CHECKING:
+    from engine.model.runner import Segment
+
+
+class ImageEmbedder:
+    """Finds the image tokens among a step's segments, takes their images' embeddings from the encoder cache
+    or the tower, and returns the rows that replace those tokens' embeddings.
+
+    A chunk of a prompt may hold part of an image (chunked prefill splits images as it splits text): it takes
+    the rows of that part. Each image is encoded in a tower call of its own, so its embeddings never depend on
+    the other images of the step (the determinism rule: alone == in a batch == from the cache)."""
+
+    def __init__(self, vision: VisionFamily, cache: EncoderCache) -> None:
+        self.vision = vision
+        self.cache = cache
+        # Tower calls made, for the bench's share of a step.
+        self.num_encoded = 0
+
+    def rows(self, segments: Sequence[Segment]) -> ImageRows | None:
+        """The image rows of a forward over `segments` (laid out in order), or None when it holds no image token."""
+        placements: list[tuple[int, ImageInput, int, int]] = []
+        offset = 0
+        for segment in segments:
+            request, start, count = segment.request, segment.start, len(segment.token_ids)
+            if request.images and start < request.num_prompt_tokens:
+                end = start + count
+                for image in request.images:
+                    if image.start < end and image.end > start:
+                        for position, row, num_rows in image.rows_in(start, end):
+                            placements.append((offset + position - start, image, row, num_rows))
+            offset += count
+        if not placements:
+            return None
+        embeddings = self._embeddings({image.content_hash: image for _, image, _, _ in placements}.values())
+        indices = torch.cat([torch.arange(at, at + n) for at, _, _, n in placements])
+        rows = torch.cat([embeddings[image.content_hash][row : row + n] for _, image, row, n in placements])
+        return ImageRows(indices.to(rows.device), rows)
+
+    def _embeddings(self, images: Sequence[ImageInput]) -> dict[int, torch.Tensor]:
+        """Each image's embeddings, held for this step (the cache may drop them meanwhile)."""
+        found = {}
+        for image in images:
+            embeddings = self.cache.get(image.content_hash)
+            if embeddings is None:
+                embeddings = self.vision.encode(image.inputs)
+                if embeddings.shape[0] != image.num_rows:
+                    raise ValueError(f"an image has {embeddings.shape[0]} embeddings for {image.num_rows} tokens")
+                self.num_encoded += 1
+                self.cache.put(image.content_hash, embeddings)
+            found[image.content_hash] = embeddings
+        return found

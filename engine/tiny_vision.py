@@ -1,0 +1,89 @@
+"""Tiny random vision-language models with processors built here (no downloads): the default model's tokenizer
+with the family's image tokens added, a small image processor and a chat template that writes image
+placeholders; for unit tests, and as folders a server loads."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerBase, ProcessorMixin
+
+# ChatML with each image part as the family's placeholder, text parts as they are.
+_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}PLACEHOLDER{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.2,
+)
+# A 28-pixel image in 7-pixel patches: 16 patches, and the CLIP tower's class row.
+_CLIP = dict(
+    model_type="clip_vision_model",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=7,
+    projection_dim=32,
+)
+
+VISION_MODEL_TYPES = ("llava",)
+
+
+def _llava(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    image_token = "<image>"
+    tokenizer.add_special_tokens({"additional_special_tokens": [image_token]})
+    config = dict(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), **_TEXT),
+        vision_config=_CLIP,
+        image_token_index=tokenizer.convert_tokens_to_ids(image_token),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        patch_size=7,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=_TEMPLATE.replace("PLACEHOLDER", image_token),
+    )
+    return config, processor
+
+
+_BUILDERS = {"llava": _llava}
+
+
+def tiny_vision_model(model_type: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0):
+    """A random vision-language model of `model_type` and its processor over a copy of `tokenizer`."""
+    config_fields, processor = _BUILDERS[model_type](copy.deepcopy(tokenizer))
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **config_fields)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    return model, processor
+
+
+def tiny_vision_folder(model_type: str, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
+    """tiny_vision_model saved as a model folder (weights, config, processor, tokenizer, template)."""
+    model, processor = tiny_vision_model(model_type, tokenizer)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
