@@ -33,11 +33,12 @@ def install_openapi(app: FastAPI, limits: Callable[[], ServingLimits | None]) ->
         if served is None:
             return document
         _bound_token_ids(document, served.vocab_size)
-        for name, schema in document["components"]["schemas"].items():
+        schemas = document["components"]["schemas"]
+        for schema in schemas.values():
             _bound_request(schema.get("properties", {}), served)
-            if schema.get(IMAGE_PART) and not served.takes_images:
-                # A text-only model: every image part is refused (400), so none matches.
-                document["components"]["schemas"][name] = {IMAGE_PART: True, "not": {}}
+        if not served.takes_images:
+            # A text-only model refuses every image part (400): the unions of parts offer none.
+            _drop_branches(document, {f"#/components/schemas/{n}" for n, s in schemas.items() if s.get(IMAGE_PART)})
         app.openapi_schema = document
         return document
 
@@ -57,6 +58,23 @@ def _bound_token_ids(node: Any, vocab_size: int) -> None:
                 node["maximum"] = vocab_size - 1
         for value in node.values():
             _bound_token_ids(value, vocab_size)
+
+
+def _drop_branches(node: Any, refs: set[str]) -> None:
+    """Take the schemas `refs` out of every oneOf / anyOf (and its discriminator's mapping)."""
+    if isinstance(node, list):
+        for item in node:
+            _drop_branches(item, refs)
+    elif isinstance(node, dict):
+        for key in ("oneOf", "anyOf"):
+            if key in node:
+                node[key] = [branch for branch in node[key] if branch.get("$ref") not in refs]
+        mapping = node.get("discriminator", {}).get("mapping", {})
+        for value, ref in list(mapping.items()):
+            if ref in refs:
+                del mapping[value]
+        for value in node.values():
+            _drop_branches(value, refs)
 
 
 def _bound_request(properties: dict[str, Any], served: ServingLimits) -> None:
