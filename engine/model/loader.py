@@ -384,7 +384,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
     from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
 
     # Before the layers' own kernels: stacking makes their weights views of the stacks.
-    groups = stack_projections(hf_model)
+    groups = stack_projections(paged.decoder_modules[0])
     linears = {
         module: InvariantLinear.of(module) for module in paged.decoder_modules if isinstance(module, torch.nn.Linear)
     }
@@ -417,7 +417,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
     )
 
 
-def stack_projections(hf_model: PreTrainedModel) -> dict[tuple[torch.nn.Module, ...], InvariantLinears]:
+def stack_projections(hf_model: torch.nn.Module) -> dict[tuple[torch.nn.Module, ...], InvariantLinears]:
     """Each attention block's q/k/v and each MLP's gate/up stacked into one batch-invariant layer, where
     they are plain linear layers that can stack."""
     from engine.kernels.gpu_invariant import InvariantLinears
