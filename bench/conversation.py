@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--churn", type=int, default=0, help="other requests between turns")
-    parser.add_argument("--out", type=Path, default=Path("bench/figures/conversation.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/conversation.json"))
     args = parser.parse_args()
 
     results = {}

@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--requests-per-worker", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=400, help="cap on a constrained reply")
-    parser.add_argument("--out", type=Path, default=Path("bench/figures/structured.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/structured.json"))
     args = parser.parse_args()
 
     results: dict[int, dict] = {}
