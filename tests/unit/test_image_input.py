@@ -235,3 +235,47 @@ async def test_the_openapi_document_allows_images_only_where_the_model_takes_the
         parts += document["MessageInput"]["properties"]["content"]["anyOf"][1]["items"]["oneOf"]
         refs = {part["$ref"].rsplit("/", 1)[1] for part in parts}
         assert refs == {"TextContentPart", "InputText", *offered}
+
+
+async def test_the_openai_sdk_and_langchain_send_an_image_and_stream_the_answer(vision_server):
+    """Clients no one here wrote, unchanged, over the in-process app: streamed answers equal the folded one."""
+    import openai
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    url = data_url(encoded(picture(4), "JPEG"), "image/jpeg")
+    question = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    model = vision_server.app.state.sluice.model_name
+    async with vision_server.client() as http:
+        client = openai.AsyncOpenAI(base_url="http://sluice/v1", api_key="unused", http_client=http)
+        messages = [{"role": "user", "content": question}]
+        folded = await client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0)
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+        deltas = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+        response = await client.responses.create(
+            model=model,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": url},
+                    ],
+                }
+            ],
+            max_output_tokens=10,
+            temperature=0,
+        )
+        llm = ChatOpenAI(
+            base_url="http://sluice/v1",
+            api_key="unused",
+            model=model,
+            max_tokens=10,
+            temperature=0,
+            http_async_client=http,
+        )
+        pieces = [piece.content async for piece in llm.astream([HumanMessage(content=question)])]
+    answer = folded.choices[0].message.content
+    assert answer and "".join(deltas) == answer == response.output_text == "".join(pieces)
