@@ -42,7 +42,7 @@ _CLIP = dict(
     projection_dim=32,
 )
 
-VISION_MODEL_TYPES = ("llava",)
+VISION_MODEL_TYPES = ("idefics3", "llava")
 
 
 def _llava(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
@@ -69,7 +69,35 @@ def _llava(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
     return config, processor
 
 
-_BUILDERS = {"llava": _llava}
+def _idefics3(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    # Tiles of 28 pixels, images resized to at most 56: a 40x30 image is 2x2 tiles and the whole image, each
+    # 16 patches shuffled by 2 into 4 image tokens.
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28}),
+        tokenizer=tokenizer,
+        image_seq_len=4,
+        chat_template=_TEMPLATE.replace("PLACEHOLDER", "<image>"),
+    )
+    config = dict(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), **_TEXT),
+        vision_config=dict(
+            model_type="idefics3_vision",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=7,
+        ),
+        scale_factor=2,
+        image_token_id=processor.image_token_id,
+    )
+    return config, processor
+
+
+_BUILDERS = {"idefics3": _idefics3, "llava": _llava}
 
 
 def tiny_vision_model(model_type: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0):

@@ -35,7 +35,7 @@ from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  #
 from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
-from engine.model.families import ModelFolderError, family_for, vision_family_for  # noqa: E402
+from engine.model.families import ModelFolderError, family_for, vision_family_for, vision_of  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.layers import Fusions  # noqa: E402
 from engine.model.moe import ExpertLinears, sparse_blocks  # noqa: E402
@@ -196,7 +196,7 @@ def load_model(
     # The decoder layers only: the output head is where 4 bits cost the most (on the default model,
     # whose head ships as Q8_0, an int4 head agreed with float32 on the top token 87% of the time
     # over 1024 positions of text, against 97% for a bf16 head).
-    decoder = hf_model.model.language_model if vision else hf_model.model
+    decoder = vision_of(hf_model).language().model if vision else hf_model.model
     int4 = int4_copies(decoder, torch_dtype) if int4_tokens else {}
     for parameter in hf_model.parameters():
         # Parameters only: buffers such as the rotary inv_freq keep their float32 precision.

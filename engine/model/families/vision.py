@@ -29,7 +29,9 @@ class VisionFamily:
     # The config.model_type values this family serves.
     model_types: ClassVar[tuple[str, ...]] = ()
     # The processor's outputs that are not the tower's inputs.
-    text_outputs: ClassVar[frozenset[str]] = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+    text_outputs: ClassVar[frozenset[str]] = frozenset(
+        {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets"}
+    )
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         self.hf_model = hf_model
@@ -38,14 +40,11 @@ class VisionFamily:
     def language(self) -> LanguagePart:
         return LanguagePart(self.hf_model.config.text_config, self.hf_model.model.language_model)
 
-    def split(self, outputs: Mapping[str, torch.Tensor], num_images: int) -> list[dict[str, torch.Tensor]]:
-        """The tower's inputs for each image alone, from the processor's outputs for all of them."""
+    def split(self, outputs: Mapping[str, torch.Tensor], num_rows: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """The tower's inputs for each image alone, from the processor's outputs for all of them (`num_rows`:
+        each image's number of image tokens)."""
         inputs = {name: value for name, value in outputs.items() if name not in self.text_outputs}
-        return [{name: value[i : i + 1] for name, value in inputs.items()} for i in range(num_images)]
-
-    def rows_per_image(self, per_image: Sequence[Mapping[str, torch.Tensor]], num_rows: int) -> list[int]:
-        """How many embedding rows (image tokens) each image has, of the prompt's `num_rows`."""
-        return [num_rows // len(per_image)] * len(per_image)
+        return [{name: value[i : i + 1] for name, value in inputs.items()} for i in range(len(num_rows))]
 
     @torch.inference_mode()
     def encode(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -58,16 +57,23 @@ class VisionFamily:
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         return features.reshape(-1, features.shape[-1]).to(self.hf_model.dtype)
 
-    def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
+    def prompt(
+        self, processor: Any, text: str, images: Sequence[Any], **options: Any
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt's token ids as the processor expands its image placeholders, and its images."""
-        outputs = processor(text=[text], images=list(images), return_tensors="pt")
+        outputs = processor(
+            text=[text], images=list(images), return_tensors="pt", return_text_replacement_offsets=True, **options
+        )
         ids: list[int] = outputs["input_ids"][0].tolist()
         runs = _runs(ids, self.image_token_id)
-        per_image = self.split(outputs, len(images))
-        num_rows = sum(length for _, length in runs)
-        counts = self.rows_per_image(per_image, num_rows)
-        if sum(counts) != num_rows:
-            raise ValueError(f"the processor wrote {num_rows} image tokens for images of {sum(counts)} embeddings")
+        # What each image's placeholder became: as many image tokens as the image has embeddings.
+        replaced = [o["replacement"] for o in outputs["text_replacement_offsets"][0] if o["type"] == "image"]
+        counts = [text.count(processor.image_token) for text in replaced]
+        if sum(counts) != sum(length for _, length in runs):
+            raise ValueError(
+                f"the processor wrote {sum(length for _, length in runs)} image tokens, {sum(counts)} expected"
+            )
+        per_image = self.split(outputs, counts)
         return ids, tuple(ImageInput.of(own, inputs) for own, inputs in zip(_deal(runs, counts), per_image))
 
 
