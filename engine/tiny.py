@@ -35,6 +35,26 @@ FAMILY_CONFIGS: dict[str, dict] = {
         "final_logit_softcapping": 5.0,
         "query_pre_attn_scalar": 24,
     },
+    # Sliding and global layers alternating (its default layer_types) under a window shorter than the longest
+    # prompt; 8 experts, top-2; a clamp of the experts' activation that bites; random biases (_RANDOM_BIASES).
+    "gpt_oss": {
+        "num_hidden_layers": 4,
+        "sliding_window": 12,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "swiglu_limit": 1.0,
+        # YaRN as gpt-oss ships it, scaled to the tiny context.
+        "rope_parameters": dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+            original_max_position_embeddings=32,
+        ),
+    },
     # Multipliers far from 1 (attention's from 1/sqrt(head_dim)), so that leaving any one out changes the output.
     "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.5),
     "llama": {},
@@ -76,6 +96,10 @@ FAMILY_CONFIGS: dict[str, dict] = {
 }
 
 
+# Families whose initializer leaves biases at zero, which would leave their addition untested: drawn at random.
+_RANDOM_BIASES = frozenset({"gpt_oss"})
+
+
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB):
     """A 2-layer random model of the family `model_type` whose logits are peaked enough for greedy decoding
     to be stable.
@@ -98,6 +122,11 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = F
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[model_type]})
     model = AutoModelForCausalLM.from_config(config).eval()
+    if model_type in _RANDOM_BIASES:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, config.initializer_range)
     if repetitive:
         with torch.no_grad():
             for layer in model.model.layers:

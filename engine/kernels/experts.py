@@ -1,10 +1,11 @@
 """A mixture-of-experts layer on the CPU's batch-invariant kernels (moe.cpp, invariant.cpp): routing,
 the experts' matrices as one grouped GEMM each (the rows routed to an expert in one call of the linear
-kernel), and the weighted sum of a token's experts, each a token's own numbers whatever shares its step.
+kernel; biases added to each row after), and the weighted sum of a token's experts, each a token's own
+numbers whatever shares its step.
 
-Routing is one loop a token (softmax, top-k, renormalization), the sum over a token's experts is in
-top-k order; the expert kernel's rows are independent of how many rows it runs, so grouping tokens by
-expert keeps a token's bits independent of the batch."""
+Routing is one loop a token (softmax and top-k in the family's order, renormalization), the sum over a
+token's experts is in top-k order; the expert kernel's rows are independent of how many rows it runs, so
+grouping tokens by expert keeps a token's bits independent of the batch."""
 
 from __future__ import annotations
 
@@ -65,18 +66,22 @@ class PackedExperts:
 
 @dataclass(frozen=True)
 class InvariantExperts:
-    """A mixture-of-experts layer's router and experts (gate and up projections stacked, then down) on the
-    CPU's batch-invariant kernels."""
+    """A mixture-of-experts layer's router and experts (their gate-up projections, then down; biases
+    where the family has them) on the CPU's batch-invariant kernels."""
 
     library: ctypes.CDLL
     router: PackedLinear
     gate_up: PackedExperts
     down: PackedExperts
+    # Each expert's biases [E, N] (float32), or None.
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     def __call__(
-        self, x: torch.Tensor, top_k: int, renormalize: bool, act: Callable[[torch.Tensor], torch.Tensor]
+        self, x: torch.Tensor, top_k: int, routing: int, gate: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """x [T, H] float32 → each token's top_k experts' outputs summed by their routing weights."""
+        """x [T, H] float32 → each token's top_k experts' outputs summed by their routing weights
+        (`routing`: engine/model/moe.py's Routing); `gate`: a gate-up output → the down projection's input."""
         x = x.contiguous()
         num_tokens, num_experts = x.shape[0], self.gate_up.panels.shape[0]
         logits = self.router(x)
@@ -91,16 +96,22 @@ class InvariantExperts:
             num_tokens,
             num_experts,
             top_k,
-            renormalize,
+            int(routing),
             weights.data_ptr(),
             experts.data_ptr(),
             counts.data_ptr(),
             source_rows.data_ptr(),
             positions.data_ptr(),
         )
+        # Each grouped row's expert, for its biases.
+        biased = self.gate_up_bias is not None or self.down_bias is not None
+        row_experts = torch.repeat_interleave(counts) if biased else None
         gate_up = self.gate_up.grouped(x.index_select(0, source_rows), counts)
-        width = self.down.in_features
-        y = self.down.grouped(act(gate_up[:, :width]) * gate_up[:, width:], counts)
+        if self.gate_up_bias is not None:
+            gate_up += self.gate_up_bias.index_select(0, row_experts)
+        y = self.down.grouped(gate(gate_up), counts)
+        if self.down_bias is not None:
+            y += self.down_bias.index_select(0, row_experts)
         out = torch.empty_like(x)
         self.library.sl_moe_combine(
             y.data_ptr(), weights.data_ptr(), positions.data_ptr(), num_tokens, top_k, x.shape[1], out.data_ptr()

@@ -10,18 +10,48 @@
 
 extern "C" {
 
-// Per token t: softmax over its experts' logits [T, E], its top_k experts by probability (the lower index
-// first on a tie) with their probabilities, divided by their sum when `renormalize`: experts[t * top_k + j]
-// and weights[t * top_k + j], j in decreasing probability. Then the step's token slots (t, j) grouped by
-// expert: counts[e] slots route to expert e; grouped row r holds token source_rows[r], slots of expert 0
-// first, each expert's in token order; slot t * top_k + j sits at grouped row positions[t * top_k + j].
-void sl_moe_route(const float* logits, int64_t num_tokens, int64_t num_experts, int64_t top_k, int64_t renormalize,
+// How a token's routing weights are computed (engine/model/moe.py's Routing).
+enum Routing : int64_t {
+  // softmax over every expert's logit, the top_k probabilities as they are (Qwen3-MoE by default)
+  SOFTMAX = 0,
+  // the same, divided by their sum (Mixtral)
+  SOFTMAX_RENORMALIZED = 1,
+  // a softmax over the top_k logits alone (gpt-oss): the same numbers as SOFTMAX_RENORMALIZED, rounded otherwise
+  TOP_K_SOFTMAX = 2,
+};
+
+// Per token t: its top_k experts by router logit [T, E] (the lower index first on a tie) and their weights
+// as `routing` says: experts[t * top_k + j] and weights[t * top_k + j], j in decreasing logit. Then the
+// step's token slots (t, j) grouped by expert: counts[e] slots route to expert e; grouped row r holds token
+// source_rows[r], slots of expert 0 first, each expert's in token order; slot t * top_k + j sits at grouped
+// row positions[t * top_k + j].
+void sl_moe_route(const float* logits, int64_t num_tokens, int64_t num_experts, int64_t top_k, int64_t routing,
                   float* weights, int64_t* experts, int64_t* counts, int64_t* source_rows, int64_t* positions) {
   std::vector<float> probs(num_experts);
   std::vector<char> taken(num_experts);
   for (int64_t e = 0; e < num_experts; ++e) counts[e] = 0;
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float* row = logits + t * num_experts;
+    if (routing == TOP_K_SOFTMAX) {
+      for (int64_t e = 0; e < num_experts; ++e) taken[e] = 0;
+      for (int64_t j = 0; j < top_k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < num_experts; ++e)
+          if (!taken[e] && (best < 0 || row[e] > row[best])) best = e;
+        taken[best] = 1;
+        experts[t * top_k + j] = best;
+        ++counts[best];
+      }
+      // The first is the largest logit: softmax over the k, summed in j order.
+      const float largest = row[experts[t * top_k]];
+      float total = 0.0f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        weights[t * top_k + j] = expf(row[experts[t * top_k + j]] - largest);
+        total += weights[t * top_k + j];
+      }
+      for (int64_t j = 0; j < top_k; ++j) weights[t * top_k + j] /= total;
+      continue;
+    }
     float largest = row[0];
     for (int64_t e = 1; e < num_experts; ++e) largest = row[e] > largest ? row[e] : largest;
     float total = 0.0f;
@@ -42,7 +72,7 @@ void sl_moe_route(const float* logits, int64_t num_tokens, int64_t num_experts, 
       chosen += probs[best];
       ++counts[best];
     }
-    if (renormalize)
+    if (routing == SOFTMAX_RENORMALIZED)
       for (int64_t j = 0; j < top_k; ++j) weights[t * top_k + j] /= chosen;
   }
   // Counting sort of the slots by expert, stable in token order.

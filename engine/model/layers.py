@@ -48,10 +48,11 @@ NO_FUSIONS = Fusions()
 class ExpertsKernel(Protocol):
     """What a mixture-of-experts block runs on instead of torch's kernels: its router and experts on
     kernels of their own (engine/model/moe.py), x [T, H] → the sum of each token's top_k experts'
-    outputs weighted by their routing weights."""
+    outputs weighted by their routing weights (`routing`, a moe.Routing); `gate` turns a gate-up output
+    into the down projection's input (the family's activation)."""
 
     def __call__(
-        self, x: torch.Tensor, top_k: int, renormalize: bool, act: Callable[[torch.Tensor], torch.Tensor]
+        self, x: torch.Tensor, top_k: int, routing: int, gate: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor: ...
 
 
@@ -220,10 +221,11 @@ def self_attention(
     shape: AttentionShape,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Llama's attention block over x [T, hidden]: separate q/k/v projections, per-head RMSNorm of q and k
     where the module has them (Qwen3, Gemma 3), rotary unless `rotary` is None, and the output projection.
-    `window` and `softcap`: the attention variants of LayerOps.attend, off by default."""
+    `window`, `softcap` and `sinks`: the attention variants of LayerOps.attend, off by default."""
     num_tokens = x.shape[0]
     q, k, v = ops.project_all((attn.q_proj, attn.k_proj, attn.v_proj), x)
     q = q.view(num_tokens, shape.num_heads, shape.head_dim)
@@ -231,7 +233,7 @@ def self_attention(
     v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = ops.normalize(attn.q_norm, q), ops.normalize(attn.k_norm, k)
-    o = ops.rotate_and_attend(layer, q, k, v, rotary, shape.scale, window, softcap)
+    o = ops.rotate_and_attend(layer, q, k, v, rotary, shape.scale, window, softcap, sinks)
     return ops.project(attn.o_proj, o.view(num_tokens, -1))
 
 

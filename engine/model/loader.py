@@ -25,6 +25,7 @@ from transformers import (  # noqa: E402
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
+    Mxfp4Config,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     ProcessorMixin,
@@ -38,7 +39,7 @@ from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import ModelFolderError, family_for, vision_family_for, vision_of  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.layers import Fusions  # noqa: E402
-from engine.model.moe import ExpertLinears, sparse_blocks  # noqa: E402
+from engine.model.moe import ExpertLinears, ExpertMatrices, router_of, sparse_blocks  # noqa: E402
 from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
 if TYPE_CHECKING:
@@ -184,7 +185,9 @@ def load_model(
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = processor.chat_template
     auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    hf_model, loading = auto_model.from_pretrained(path, dtype=load_dtype, output_loading_info=True)
+    hf_model, loading = auto_model.from_pretrained(
+        path, dtype=load_dtype, output_loading_info=True, **_dequantizing(path, name, load_dtype)
+    )
     if loading["missing_keys"]:
         # transformers would fill them with random values and only log it.
         missing = sorted(loading["missing_keys"])
@@ -227,6 +230,25 @@ def load_model(
         cpu_kernels=load_library(cache_dir) if torch_device.type == "cpu" else None,
         processor=processor,
     )
+
+
+def _dequantizing(path: Path, name: str, dtype: torch.dtype) -> dict:
+    """from_pretrained's arguments that widen a checkpoint's quantized weights as they load, for the
+    quantizations Sluice reads: MXFP4 (gpt-oss's experts, 4-bit values in blocks of 32 with a power-of-two
+    scale each). No kernel here reads MXFP4 itself, so its values are widened to `dtype`, which holds them
+    exactly (the batch-invariant CPU kernels then keep them as bfloat16: 4 times their packed size)."""
+    config = json.loads((path / "config.json").read_text())
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") != "mxfp4":
+        return {}
+    logger.info(
+        "%s: the experts' MXFP4 weights are widened to %s at load (no kernel here reads MXFP4 packed)",
+        name,
+        str(dtype).removeprefix("torch."),
+    )
+    # dequantize=True: without it transformers fetches Triton kernels from the Hub where it can, or
+    # replaces the experts with modules the forward cannot run.
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 # The weights files transformers reads, each alone or as the index of its shards.
@@ -350,16 +372,25 @@ def _pack_quantized(library: ctypes.CDLL, module: torch.nn.Linear, form: WeightF
 def _pack_experts(library: ctypes.CDLL, block: torch.nn.Module) -> InvariantExperts:
     """A mixture-of-experts block's router and experts (3D parameters, not linear layers) packed for the
     kernels, each in the narrowest form that keeps its values; the originals freed."""
-    router, experts = block.gate.weight, block.experts
+    router, matrices = router_of(block), ExpertMatrices.of(block.experts)
+    packed_router = PackedLinear.pack(library, narrowest(router.weight))
+    if getattr(router, "bias", None) is not None:
+        packed_router = dataclasses.replace(packed_router, bias=router.bias.detach().float())
     packed = InvariantExperts(
         library,
-        PackedLinear.pack(library, narrowest(router)),
-        PackedExperts.pack(library, experts.gate_up_proj),
-        PackedExperts.pack(library, experts.down_proj),
+        packed_router,
+        PackedExperts.pack(library, matrices.gate_up),
+        PackedExperts.pack(library, matrices.down),
+        _float_or_none(matrices.gate_up_bias),
+        _float_or_none(matrices.down_bias),
     )
-    for parameter in (router, experts.gate_up_proj, experts.down_proj):
+    for parameter in (*router.parameters(), *block.experts.parameters()):
         parameter.data = torch.empty(0)
     return packed
+
+
+def _float_or_none(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.float().contiguous()
 
 
 def _pack_as_shipped(
@@ -394,14 +425,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
         for module in paged.decoder_modules
         if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
     }
-    experts = {
-        block: ExpertLinears(
-            InvariantLinear(block.gate.weight.detach(), None, block.gate.weight.dtype),
-            tuple(InvariantLinear(weight, None, weight.dtype) for weight in block.experts.gate_up_proj.detach()),
-            tuple(InvariantLinear(weight, None, weight.dtype) for weight in block.experts.down_proj.detach()),
-        )
-        for block in sparse_blocks(paged.decoder_modules[0])
-    }
+    experts = {block: _gpu_experts(block) for block in sparse_blocks(paged.decoder_modules[0])}
     fusions = gpu_fusions(hf_model, groups, norms)
     paged.use_gpu_kernels(linears, norms, experts, fusions)
     logger.info(
@@ -451,6 +475,31 @@ def gpu_fusions(
 
 # transformers' SiLU modules: torch's own, and its wrapper that a hub kernel may replace.
 _SILU = ("SiLU", "SiLUActivation")
+
+
+def _gpu_experts(block: torch.nn.Module) -> ExpertLinears:
+    """A mixture-of-experts block's router and each expert's projections on the GPU's invariant linear layer."""
+    from engine.kernels.gpu_invariant import InvariantLinear
+
+    router, matrices = router_of(block), ExpertMatrices.of(block.experts)
+    bias = getattr(router, "bias", None)
+
+    def linears(weights: torch.Tensor, biases: torch.Tensor | None) -> tuple[InvariantLinear, ...]:
+        # Transposed experts (gpt-oss's) are copied into the kernel's [N, K] rows.
+        return tuple(
+            InvariantLinear(weights[e].contiguous(), None if biases is None else biases[e], weights.dtype)
+            for e in range(weights.shape[0])
+        )
+
+    kernel = ExpertLinears(
+        InvariantLinear(router.weight.detach(), None if bias is None else bias.detach(), router.weight.dtype),
+        linears(matrices.gate_up, matrices.gate_up_bias),
+        linears(matrices.down, matrices.down_bias),
+    )
+    if getattr(block.experts, "is_transposed", False):
+        # The copies replace them (untransposed experts' kernels hold views of the same memory).
+        block.experts.gate_up_proj.data = block.experts.down_proj.data = torch.empty(0)
+    return kernel
 
 
 def _eos_token_ids(configured: int | list[int] | None, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,4 +1,5 @@
 import json
+import logging
 import subprocess
 import sys
 
@@ -6,10 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.kernels.invariant import WeightForm
 from engine.model.families import ModelFolderError, UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
-from engine.tiny import FAMILY_CONFIGS, tiny_hf_model
+from engine.tiny import FAMILY_CONFIGS, tiny_engine, tiny_hf_model
+from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
+from tests.unit.helpers import collect, hf_greedy, tokens_of
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
@@ -113,3 +117,59 @@ def test_mistral_with_a_sliding_window_serves_its_whole_context_through_the_wind
     window = FAMILY_CONFIGS["mistral"]["sliding_window"]
     assert loaded.max_position_embeddings == 1024 > window
     assert loaded.model.family.windows == (window, window)
+
+
+# MXFP4's 4-bit values (E2M1), by code: the low three bits index the magnitude, the high one is the sign.
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weights [E, N, K] in gpt-oss checkpoints' MXFP4 layout: blocks [E, N, K / 32, 16] (two codes a byte,
+    the even element's in the low nibble), scales [E, N, K / 32] (a power of two, exponent + 127), and
+    the values they hold."""
+    num_experts, rows, cols = weights.shape
+    groups = weights.reshape(num_experts, rows, cols // 32, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 6.0))
+    codes = (groups / torch.exp2(exponent)).unsqueeze(-1).sub(_FP4).abs().argmin(-1)
+    blocks = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    values = (_FP4[codes] * torch.exp2(exponent)).reshape(weights.shape)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8), values
+
+
+async def test_gpt_oss_mxfp4_experts_load_widened_and_serve_what_the_checkpoint_holds(
+    tmp_path, default_tokenizer, caplog
+):
+    model = tiny_hf_model("gpt_oss")
+    quantized = {}
+    with torch.no_grad():
+        for index, layer in enumerate(model.model.layers):
+            for name in ("gate_up_proj", "down_proj"):
+                parameter = getattr(layer.mlp.experts, name)
+                # Stored transposed: each row of the checkpoint's blocks is an output's weights.
+                blocks, scales, values = _mxfp4(parameter.transpose(1, 2))
+                parameter.copy_(values.transpose(1, 2))
+                key = f"model.layers.{index}.mlp.experts.{name}"
+                quantized[f"{key}_blocks"], quantized[f"{key}_scales"] = blocks, scales
+    model.save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    for key in {key.rsplit("_", 1)[0] for key in quantized}:
+        del weights[key]
+    save_file({**weights, **quantized}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    with caplog.at_level(logging.INFO, logger="engine.model.loader"):
+        loaded = load_model(str(tmp_path), CACHE_DIR, device="cpu", dtype="auto", batch_invariant=True)
+    assert "the experts' MXFP4 weights are widened to float32 at load" in caplog.text
+    # MXFP4's values are bfloat16's: the kernels keep them so.
+    assert {kernel.gate_up.form for kernel in loaded.model._experts.values()} == {WeightForm.BF16}
+    engine = tiny_engine(loaded)
+    engine.start()
+    try:
+        prompt = list(range(20, 60))
+        chunks = await collect(engine, prompt, SamplingParams(max_tokens=16, temperature=0.0))
+    finally:
+        engine.shutdown()
+    assert tokens_of(chunks) == hf_greedy(model, prompt, 16)

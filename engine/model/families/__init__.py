@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from engine.model.families.base import DecoderFamily
 from engine.model.families.gemma2 import Gemma2
 from engine.model.families.gemma3 import Gemma3
+from engine.model.families.gpt_oss import GptOss
 from engine.model.families.granite import Granite
 from engine.model.families.idefics3 import Idefics3
 from engine.model.families.llama import Llama
@@ -20,7 +21,7 @@ from engine.model.families.phi3 import Phi3
 from engine.model.families.smollm3 import SmolLM3
 from engine.model.families.vision import LanguagePart, VisionFamily
 
-FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, Granite, Llama, Mixtral, Olmo2, Phi3, SmolLM3)
+FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, GptOss, Granite, Llama, Mixtral, Olmo2, Phi3, SmolLM3)
 
 VISION_FAMILIES: tuple[type[VisionFamily], ...] = (Idefics3, Llava)
 

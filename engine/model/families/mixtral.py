@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from engine.model.families.base import DecoderFamily
 from engine.model.layers import LayerOps, Rotary, gated_mlp, self_attention
-from engine.model.moe import is_experts, sparse_moe
+from engine.model.moe import Routing, is_experts, sparse_moe
 
 
 class Mixtral(DecoderFamily):
@@ -22,7 +22,8 @@ class Mixtral(DecoderFamily):
         super().__init__(hf_model)
         config = self.config
         self.top_k = config.num_experts_per_tok
-        self.renormalize = getattr(config, "norm_topk_prob", True)
+        renormalize = getattr(config, "norm_topk_prob", True)
+        self.routing = Routing.SOFTMAX_RENORMALIZED if renormalize else Routing.SOFTMAX
         # Per layer, whether its MLP is a mixture of experts (else dense, as Qwen3-MoE's mlp_only_layers).
         self.sparse = tuple(is_experts(getattr(layer.mlp, "experts", None)) for layer in hf_model.model.layers)
         expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -38,5 +39,5 @@ class Mixtral(DecoderFamily):
         attended = self_attention(ops, index, layer.self_attn, x, rotary, self.attention, self.windows[index])
         hidden, x = ops.add_normalize(layer.post_attention_layernorm, hidden, attended)
         if self.sparse[index]:
-            return hidden + sparse_moe(ops, layer.mlp, x, self.top_k, self.renormalize)
+            return hidden + sparse_moe(ops, layer.mlp, x, self.top_k, self.routing)
         return hidden + gated_mlp(ops, layer.mlp, x)
