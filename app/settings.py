@@ -94,12 +94,20 @@ class Settings(BaseSettings):
     jump_forward: bool = True
     """Structured output: where the grammar allows exactly one continuation (a JSON key, punctuation),
     append its tokens at once instead of sampling them one by one; --no-jump-forward turns it off."""
-    reasoning_parser: Literal["auto", "none", "deepseek_r1", "qwen3"] = "auto"
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "harmony", "qwen3"] = "auto"
     """How a thinking model's chat output is split into `reasoning_content` and `content`, as vLLM's flag:
     `qwen3` reads `<think>…</think>` (the output thinks from its start when the prompt leaves `<think>` open
     or when it writes `<think>` first); `deepseek_r1` has the output think from its start until `</think>`
-    regardless; `auto` is `qwen3` when the chat template writes `</think>` and both tags are tokens of the
-    vocabulary, else `none` (all output is content)."""
+    regardless; `harmony` takes gpt-oss's leading `analysis` messages; `auto` is `harmony` for a harmony
+    model (its tokens in the vocabulary, a chat template writing `<|channel|>`), else `qwen3` when the
+    chat template writes `</think>` and both tags are tokens of the vocabulary, else `none` (all output is
+    content)."""
+    tool_call_parser: Literal["auto", "hermes", "harmony"] = "auto"
+    """The format a chat output's tool calls are read from (and decoded under, when a grammar holds the
+    output to it), as vLLM's flag: `hermes`, `<tool_call>` blocks of JSON (Qwen, Hermes; the prompt teaches
+    it to models whose template knows no tools); `harmony`, gpt-oss's messages (calls to
+    `functions.NAME`, the `final` channel as content); `auto` is `harmony` for a harmony model, else
+    `hermes`."""
     stream_interval: int = Field(1, ge=1, le=1024)
     """Tokens per streamed chunk unless a request sets its own; the last chunk always flushes."""
     keepalive_seconds: float = Field(15.0, gt=0)

@@ -18,6 +18,7 @@ from app.operations.metrics import Metrics
 from app.operations.sends import SendBatch
 from app.serving.image_prompt import load_images, vision_prompt
 from app.serving.images import ImagePart, MediaPolicy
+from app.serving.output_format import OutputFormat, output_format
 from app.serving.prompting import chat_prompt_ids, chat_prompt_text
 from app.serving.protocol import ChatMessage, ServingLimits
 from app.serving.reasoning import ReasoningParser, reasoning_parser
@@ -50,6 +51,8 @@ class ServerState:
     limits: ServingLimits
     # How chat outputs are split into reasoning and answer; None: all of an output is answer.
     reasoning: ReasoningParser | None
+    # How a chat output's text becomes content and tool calls, and the grammar that holds it to that.
+    output_format: OutputFormat
     streams: StreamRegistry
     responses: ResponseStore
     api_keys: tuple[bytes, ...]
@@ -101,13 +104,10 @@ class ServerState:
         self, requested: tuple[GrammarSpec, str] | None, tool_use: ToolUse | None = None
     ) -> GrammarSpec | None:
         """The grammar a request's output must match: its own constraint (and the parameter that set
-        it), or with tools the grammar of calls, whose text alternative may be a JSON constraint.
-        Compiled (or found cached) off the event loop; 400 naming the parameter when it does not compile."""
-        if tool_use is not None:
-            if requested is not None and requested[0].kind != "json_schema":
-                param = requested[1]
-                raise OpenAIError(400, f"{param} cannot be combined with tools; use a JSON schema", param=param)
-            requested = (tool_use.grammar(requested[0] if requested else None), "tools")
+        it), or with tools the grammar of calls, as the model's output format writes them
+        (app/serving/output_format.py). Compiled (or found cached) off the event loop; 400 naming the
+        parameter when it does not compile."""
+        requested = self.output_format.grammar(requested, tool_use)
         if requested is None:
             return None
         spec, param = requested
@@ -255,6 +255,7 @@ def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, n
         engine=engine,
         model_name=model_name,
         reasoning=reasoning_parser(settings.reasoning_parser, loaded.tokenizer),
+        output_format=output_format(settings.tool_call_parser, loaded.tokenizer),
         limits=ServingLimits(
             max_model_len=config.max_model_len,
             vocab_size=loaded.model.vocab_size,

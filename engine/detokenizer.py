@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from engine import harmony
+
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -34,7 +36,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 class TokenBytes:
-    """The byte string of every token id, as `tokenizer.decode(skip_special_tokens=True)` joins them."""
+    """The byte string of every token id, as `tokenizer.decode(skip_special_tokens=True)` joins them, but
+    for a harmony model's syntax tokens (engine/harmony.py), whose text shows: they structure its output."""
 
     def __init__(self, table: list[bytes]) -> None:
         self._table = table
@@ -50,6 +53,7 @@ class TokenBytes:
         pieces = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
         added = tokenizer.added_tokens_decoder
         special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+        special -= set((harmony.syntax_token_ids(tokenizer) or {}).values())
         alphabet = _byte_level_alphabet()
         table: list[bytes] = []
         for token_id, piece in enumerate(pieces):

@@ -42,14 +42,17 @@ class OutputProcessor:
         if request.finish_reason == FinishReason.STOP and self.scheduler.is_stop_token(request, token_ids[-1]):
             # The stop token is counted but neither shown nor scored, like a stop string.
             shown, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
-        thought = 0
+        thought, held = 0, []
         if request.reasoning is not None:
-            thought = self._think(request, shown)
-            shown = shown[thought:]
-        # With stop strings, one token at a time: a match inside a burst ends it at that token.
+            held, answer = self._think(request, shown)
+            thought, shown = len(shown) - len(answer), answer
+        # With stop strings, one token at a time: a match inside a burst ends it at that token. Answer
+        # tokens the reasoning held from earlier steps come first, as one piece.
         pieces = [[t] for t in shown] if request.params.stop else [shown]
+        if held:
+            pieces.insert(0, held)
         released, matched = [], False
-        for count, piece in enumerate(pieces, start=thought + 1):
+        for count, piece in enumerate(pieces, start=thought + 1 - bool(held)):
             text, matched = request.stop_matcher.feed(request.detokenizer.decode(piece))
             released.append(text)
             if matched:
@@ -73,11 +76,12 @@ class OutputProcessor:
         if request.is_finished or len(request.pending_token_ids) >= request.params.stream_interval:
             self._push(request)
 
-    def _think(self, request: Request, token_ids: list[int]) -> int:
+    def _think(self, request: Request, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Take the reasoning's part of these tokens (they lead the list) into its own text, unseen by
-        stop strings; returns how many it took. The tags' text is not shown."""
+        stop strings; returns the answer's tokens: those the reasoning held from earlier steps (a harmony
+        header's), and these tokens' last ones. The tags' text is not shown."""
         split = request.reasoning
-        thinking, taken = split.feed(token_ids)
+        thinking, held, answer = split.feed(token_ids)
         text = request.detokenizer.decode(thinking) if thinking else ""
         if split.answering or request.is_finished:
             # A character the reasoning left unfinished is the reasoning's, not the answer's.
@@ -86,7 +90,7 @@ class OutputProcessor:
             request.reasoning = None
         request.pending_reasoning.append(text)
         request.num_reasoning_tokens += len(thinking)
-        return taken
+        return held, answer
 
     def flush(self) -> None:
         """Deliver every chunk staged since the last flush (once per step)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from engine.reasoning import ReasoningSplit
+from engine.reasoning import ChannelSplit, ReasoningSplit, split_of
 from engine.sampling.draws import request_key
 from engine.types import FinishReason, SamplingParams, TokenLogprob
 
@@ -90,7 +90,7 @@ class Request:
     pending_reasoning: list[str] = field(default_factory=list)
     # Where the output stands against its reasoning while that may still go on; None once the answer
     # has begun (or for a request without reasoning), so later steps take the plain path.
-    reasoning: ReasoningSplit | None = field(init=False, default=None)
+    reasoning: ReasoningSplit | ChannelSplit | None = field(init=False, default=None)
     num_reasoning_tokens: int = 0
     # Speculative decoding: tokens proposed for and accepted by this request so far.
     num_draft_tokens: int = 0
@@ -116,7 +116,7 @@ class Request:
             self.rng_key = request_key(self.params.seed, self.index)
         params = self.params
         if params.reasoning is not None:
-            self.reasoning = ReasoningSplit(params.reasoning)
+            self.reasoning = split_of(params.reasoning)
         self.overlappable = (
             self.constraint is None and not params.penalized and params.logprobs is None and params.n == 1
         )

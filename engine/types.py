@@ -45,6 +45,19 @@ class Reasoning:
 
 
 @dataclass(frozen=True)
+class ChannelReasoning:
+    """Where a harmony output (engine/harmony.py: messages of a header, `<|message|>`, a body, `<|end|>`)
+    thinks: in its leading messages whose header ends with `reasoning_header` (`<|channel|>analysis`). Their
+    headers and ends are neither reasoning nor answer; the answer starts with the first other message's
+    header. The output's grammar covers the whole output, reasoning included (app/serving/harmony.py
+    writes it so); stop strings apply to the answer alone."""
+
+    message_token_id: int
+    end_token_id: int
+    reasoning_header: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What the client asked for; validated on the wire, immutable inside the engine."""
 
@@ -71,7 +84,7 @@ class SamplingParams:
     # What the output must match (structured output, tool calls); None: free text.
     grammar: GrammarSpec | None = None
     # The reasoning the output starts with, split off from the answer; None: all of it is answer.
-    reasoning: Reasoning | None = None
+    reasoning: Reasoning | ChannelReasoning | None = None
     # Stored conversations: keep this request's KV blocks pinned under this key once it finishes
     # (with stop or length), and the key of the pinned conversation this request continues.
     keep_kv_as: str | None = None

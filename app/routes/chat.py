@@ -44,7 +44,7 @@ async def create_chat_completion(
         params,
         body.include_usage,
         accounting,
-        parses_tools=tool_use is not None,
+        parser=state.output_format.parser(tool_use),
         splits_reasoning=reasoning is not None,
         images=images,
     )

@@ -83,7 +83,8 @@ async def create_response(
         or "auto",
         parallel_tool_calls=body.parallel_tool_calls,
     )
-    run = ResponseRun(response, renderer.channel, renderer.accounting, conversation, tool_use is not None)
+    parser = state.output_format.parser(tool_use)
+    run = ResponseRun(response, renderer.channel, renderer.accounting, conversation, parser() if parser else None)
     state.responses.start(run)
     if not body.stream:
         return await run.wait()

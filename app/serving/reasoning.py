@@ -1,10 +1,10 @@
 """Reasoning output: the parser a model's chat output is read with, chosen once at start-up from the
 flag (--reasoning-parser) or the model's tokenizer, and the split it asks of each request.
 
-A parser turns a prompt into the engine's `Reasoning` (engine/types.py): where the output thinks
-and where its answer begins. The engine cuts the output there (engine/reasoning.py), so stop
-strings, the grammar of structured output and tool calls see only the answer. Parsers of other
-shapes (gpt-oss's harmony channels) join `PARSERS` with their own `for_prompt`.
+A parser turns a prompt into the engine's `Reasoning` or `ChannelReasoning` (engine/types.py): where the
+output thinks and where its answer begins. The engine cuts the output there (engine/reasoning.py), so stop
+strings, the grammar of structured output and tool calls see only the answer. gpt-oss's harmony channels
+are app/serving/harmony.py's parser.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Literal, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.types import Reasoning
+from app.serving.harmony import HarmonyChannels, is_harmony
+from engine.types import ChannelReasoning, Reasoning
 
 logger = logging.getLogger(__name__)
 
-ReasoningParserName = Literal["auto", "none", "deepseek_r1", "qwen3"]
+ReasoningParserName = Literal["auto", "none", "deepseek_r1", "harmony", "qwen3"]
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -28,7 +29,7 @@ THINK_START, THINK_END = "<think>", "</think>"
 class ReasoningParser(Protocol):
     name: str
 
-    def for_prompt(self, prompt_ids: Sequence[int]) -> Reasoning:
+    def for_prompt(self, prompt_ids: Sequence[int]) -> Reasoning | ChannelReasoning:
         """How the output that follows this prompt is split."""
 
 
@@ -72,18 +73,23 @@ def _think_tags(name: str, always_open: bool) -> Callable[[PreTrainedTokenizerBa
 
 PARSERS: dict[str, Callable[[PreTrainedTokenizerBase], ReasoningParser]] = {
     "deepseek_r1": _think_tags("deepseek_r1", always_open=True),
+    "harmony": HarmonyChannels.of,
     "qwen3": _think_tags("qwen3", always_open=False),
 }
 
 
 def reasoning_parser(name: ReasoningParserName, tokenizer: PreTrainedTokenizerBase) -> ReasoningParser | None:
-    """The parser --reasoning-parser names; `auto`: `qwen3`'s (the prompt decides where the output
-    starts) when the chat template writes `</think>` and the vocabulary has both tags as tokens of
-    their own, else none. A named parser the tokenizer cannot serve is a start-up error."""
+    """The parser --reasoning-parser names; `auto`: `harmony`'s for a harmony model (gpt-oss), else
+    `qwen3`'s (the prompt decides where the output starts) when the chat template writes `</think>` and
+    the vocabulary has both tags as tokens of their own, else none. A named parser the tokenizer cannot
+    serve is a start-up error."""
     if name == "none":
         return None
     if name != "auto":
         return PARSERS[name](tokenizer)
+    if is_harmony(tokenizer):
+        logger.info("reasoning: the harmony format's analysis channel is split off (--reasoning-parser harmony)")
+        return PARSERS["harmony"](tokenizer)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     if THINK_END not in template or _single_tokens(tokenizer, (THINK_START, THINK_END)) is None:
         return None

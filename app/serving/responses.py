@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from app.operations.accounting import Accounting
 from app.serving.event_log import EventLog
+from app.serving.output_format import OutputParser
 from app.serving.protocol import ChatMessage, FunctionCall, ToolCall
 from app.serving.responses_protocol import (
     IncompleteDetails,
@@ -36,7 +37,7 @@ from app.serving.responses_protocol import (
 )
 from app.serving.sse import sse_event
 from app.serving.streaming import ENDED_IN_ERROR, ChunkReader, timings_payload
-from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser, ToolUse
+from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolUse
 from engine.channel import StreamChannel
 from engine.types import Chunk, FinishReason
 
@@ -64,15 +65,16 @@ class Conversation:
     messages: list[ChatMessage]
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
+    # The reply's content: its text, less the tool calls the output format parsed out of it.
+    output_content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 
     def with_reply(self) -> list[ChatMessage]:
         """The messages including this turn's reply."""
-        content = self.output_text
+        content = self.output_content
         if self.tool_calls:
-            # Calls become structured again; only the text before them is the reply's content.
-            content = content.split("<tool_call>", 1)[0].strip()
+            # Calls become structured again; the text around them is the reply's content.
+            content = content.strip()
         return [*self.messages, ChatMessage(role="assistant", content=content, tool_calls=self.tool_calls or None)]
 
 
@@ -85,13 +87,14 @@ class ResponseRun:
         channel: StreamChannel,
         accounting: Accounting | None,
         conversation: Conversation,
-        parses_tools: bool,
+        parser: OutputParser | None,
     ) -> None:
         self.response = response
         self.channel = channel
         self.accounting = accounting
         self.conversation = conversation
-        self._parser = ToolCallParser() if parses_tools else None
+        # Reads the text into content and tool calls (app/serving/output_format.py); None: all content.
+        self._parser = parser
         self._log: EventLog[bytes] = EventLog()
         self._open: OutputReasoning | OutputMessage | OutputFunctionCall | None = None
 
@@ -116,7 +119,6 @@ class ResponseRun:
             async with ChunkReader(self.channel, self.accounting) as chunks:
                 async for chunk in chunks:
                     self.conversation.output_ids += chunk.token_ids
-                    self.conversation.output_text += chunk.text
                     if chunk.finish_reason in ENDED_IN_ERROR:
                         terminal = chunk
                         break
@@ -165,6 +167,7 @@ class ResponseRun:
 
     def _on_piece(self, piece: Piece) -> None:
         if isinstance(piece, Content):
+            self.conversation.output_content += piece.text
             message = self._open if isinstance(self._open, OutputMessage) else self._open_message()
             message.content[0].text += piece.text
             self._emit(

@@ -18,6 +18,7 @@ from typing import Literal
 from app.errors import OpenAIError, error_body
 from app.operations.accounting import Accounting
 from app.serving.logprobs import chat_logprobs, completion_logprobs
+from app.serving.output_format import OutputParser
 from app.serving.payloads import (
     ChatChoice,
     ChatChunkChoice,
@@ -37,7 +38,7 @@ from app.serving.payloads import (
     Usage,
 )
 from app.serving.protocol import FunctionCall, ToolCall
-from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece, ToolCallParser
+from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece
 from engine import types as engine_types
 from engine.channel import StreamChannel
 from engine.detokenizer import TokenBytes
@@ -111,8 +112,9 @@ class CompletionRenderer:
     created: int = field(default_factory=lambda: int(time.time()))
     # Metrics and the audit line; None where nobody accounts for the request (benchmarks).
     accounting: Accounting | None = None
-    # Whether the output may hold tool calls (chat with tools), to be parsed out of the text.
-    parses_tools: bool = False
+    # Makes the parser of each choice's text into content and tool calls (app/serving/output_format.py);
+    # None where the text is all content.
+    parser: Callable[[], OutputParser] | None = None
     # Whether the output's reasoning comes apart from its answer (a reasoning model's chat).
     splits_reasoning: bool = False
     # Per choice: a content chunk's JSON before and after its text.
@@ -121,7 +123,7 @@ class CompletionRenderer:
     _text_only: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        self._text_only = not (self.wants_logprobs or self.parses_tools or self.splits_reasoning)
+        self._text_only = not (self.wants_logprobs or self.parser or self.splits_reasoning)
 
     @classmethod
     def start(
@@ -133,7 +135,7 @@ class CompletionRenderer:
         params: SamplingParams,
         include_usage: bool,
         accounting: Callable[[str], Accounting] | None = None,
-        parses_tools: bool = False,
+        parser: Callable[[], OutputParser] | None = None,
         completion_id: str | None = None,
         splits_reasoning: bool = False,
         images: tuple[ImageInput, ...] = (),
@@ -151,7 +153,7 @@ class CompletionRenderer:
             channel=StreamChannel(asyncio.get_running_loop(), num_choices=params.n),
             token_bytes=engine.token_bytes,
             completion_id=completion_id or f"{prefix}-{uuid.uuid4().hex}",
-            parses_tools=parses_tools,
+            parser=parser,
             splits_reasoning=splits_reasoning,
         )
         if accounting is not None:
@@ -164,7 +166,7 @@ class CompletionRenderer:
         cancels the request in the engine."""
         cached_tokens = reasoning_tokens = 0
         text_offsets = [0] * self.num_choices
-        parsers = [ToolCallParser() for _ in range(self.num_choices)] if self.parses_tools else None
+        parsers = [self.parser() for _ in range(self.num_choices)] if self.parser is not None else None
         async with ChunkReader(self.channel, self.accounting, self.num_choices) as chunks:
             if self.kind == "chat":
                 for index in range(self.num_choices):
@@ -252,9 +254,9 @@ class CompletionRenderer:
         """The assistant's message: its text, or with tools its text and calls apart; its reasoning
         (none is absent) under both its names."""
         thought = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
-        if not self.parses_tools:
+        if self.parser is None:
             return ChatResponseMessage(content=text, **thought)
-        parser = ToolCallParser()
+        parser = self.parser()
         pieces = parser.feed(text) + parser.finish()
         content = "".join(p.text for p in pieces if isinstance(p, Content))
         calls = [

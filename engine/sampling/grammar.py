@@ -13,7 +13,7 @@ import llguidance.hf
 from transformers import PreTrainedTokenizerBase
 
 from engine.reasoning import ReasoningSplit
-from engine.types import GrammarSpec, Reasoning
+from engine.types import ChannelReasoning, GrammarSpec, Reasoning
 
 # Compact JSON (no optional whitespace): small models otherwise pad with whitespace until
 # max_tokens, and fixed separators let jump-forward emit keys and punctuation at once.
@@ -63,11 +63,11 @@ class Constraint:
         """Accept the tokens the request kept; False if the grammar refused one (its matcher
         failed: the masks never allow such a token otherwise)."""
         if self.reasoning is not None:
-            _, taken = self.reasoning.feed(token_ids)
+            _, held, answer = self.reasoning.feed(token_ids)
             if not self.reasoning.answering:
                 return True
             self.reasoning = None
-            token_ids = token_ids[taken:]
+            token_ids = held + answer
         return self.matcher.consume_tokens(token_ids)
 
     def forced(self) -> list[int]:
@@ -129,9 +129,11 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         return matcher
 
-    def constraint(self, spec: GrammarSpec, reasoning: Reasoning | None = None) -> Constraint:
-        """A new choice's place at the start of `spec`, which waits out the output's `reasoning`."""
-        return Constraint(self.compile(spec).deep_copy(), ReasoningSplit(reasoning) if reasoning else None)
+    def constraint(self, spec: GrammarSpec, reasoning: Reasoning | ChannelReasoning | None = None) -> Constraint:
+        """A new choice's place at the start of `spec`, which waits out the output's `reasoning` (a harmony
+        output's grammar covers its reasoning, and starts at once)."""
+        split = ReasoningSplit(reasoning) if isinstance(reasoning, Reasoning) else None
+        return Constraint(self.compile(spec).deep_copy(), split)
 
 
 def _llguidance_grammar(spec: GrammarSpec) -> str:

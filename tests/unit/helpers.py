@@ -106,3 +106,47 @@ def thinking_tokenizer(tokenizer):
     thinking.add_tokens(["<think>", "</think>"])
     thinking.chat_template = THINKING_TEMPLATE
     return thinking
+
+
+# A chat template in the harmony format, after gpt-oss's (shorter): a system message, the tools as a
+# developer message's TypeScript namespace, earlier calls sent to `functions.NAME` on the commentary
+# channel, their results from `functions.NAME`, answers on the final channel, and a generation prompt
+# that opens the assistant's message for the model to write its channel.
+HARMONY_TEMPLATE = (
+    "{{- '<|start|>system<|message|>Reasoning: medium\\n\\n# Valid channels: analysis, commentary, final.<|end|>' -}}"
+    "{%- if tools -%}"
+    "{{- '<|start|>developer<|message|># Tools\\n\\n## functions\\n\\nnamespace functions {\\n' -}}"
+    "{%- for tool in tools -%}"
+    "{{- 'type ' + tool.function.name + ' = (_: ' + (tool.function.parameters | tojson) + ') => any;\\n' -}}"
+    "{%- endfor -%}"
+    "{{- '} // namespace functions<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls -%}"
+    "{%- for call in message.tool_calls -%}{%- set ns.last = call.function.name -%}"
+    "{{- '<|start|>assistant to=functions.' + call.function.name + '<|channel|>commentary json<|message|>' -}}"
+    "{{- (call.function.arguments | tojson) + '<|call|>' -}}"
+    "{%- endfor -%}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|start|>functions.' + ns.last + ' to=assistant<|channel|>commentary<|message|>' -}}"
+    "{{- message.content + '<|end|>' -}}"
+    "{%- else -%}"
+    "{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}"
+)
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+def harmony_tokenizer(tokenizer):
+    """A copy of `tokenizer` with the harmony format's tokens (special, as in gpt-oss's vocabulary),
+    `<|return|>` as its end of sequence, and HARMONY_TEMPLATE."""
+    harmony = copy.deepcopy(tokenizer)
+    harmony.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    harmony.eos_token = "<|return|>"
+    harmony.chat_template = HARMONY_TEMPLATE
+    return harmony

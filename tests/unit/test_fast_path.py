@@ -43,7 +43,7 @@ class Case:
             token_bytes=TOKENS,
             completion_id="cmpl-1",
             created=1700000000,
-            parses_tools=self.parses_tools,
+            parser=tools.ToolCallParser if self.parses_tools else None,
         )
 
     def chunks(self) -> list[Chunk]:

@@ -10,27 +10,34 @@ import pytest
 
 from app.serving.reasoning import ThinkTags, reasoning_parser
 from engine.config import SpeculativeConfig
-from engine.reasoning import ReasoningSplit
+from engine.reasoning import ReasoningSplit, split_of
 from engine.tiny import tiny_engine, tiny_loaded
-from engine.types import FinishReason, GrammarSpec, Reasoning, SamplingParams
+from engine.types import ChannelReasoning, FinishReason, GrammarSpec, Reasoning, SamplingParams
 from tests.unit.helpers import collect, thinking_tokenizer, tokens_of
 
 START, END = 1000, 1001
 
 
-def split_in_pieces(spec: Reasoning, token_ids: list[int], cuts: list[int]) -> tuple[list[int], list[int]]:
+def split_in_pieces(
+    spec: Reasoning | ChannelReasoning, token_ids: list[int], cuts: list[int]
+) -> tuple[list[int], list[int]]:
     """(thinking tokens, answer tokens) of `token_ids` fed in pieces cut at `cuts`."""
-    split, thinking, answer = ReasoningSplit(spec), [], []
+    split, thinking, answer = split_of(spec), [], []
     bounds = [0, *cuts, len(token_ids)]
     for begin, end in zip(bounds, bounds[1:]):
         piece = token_ids[begin:end]
         if split.answering:
             answer += piece
             continue
-        thought, taken = split.feed(piece)
+        thought, held, now = split.feed(piece)
+        assert set(now) <= set(piece) and not (held and not split.answering)
         thinking += thought
-        answer += piece[taken:]
+        answer += held + now
     return thinking, answer
+
+
+def _all_cuts(tokens: list[int]) -> list[list[int]]:
+    return [[], *[[i] for i in range(1, len(tokens))], list(range(1, len(tokens)))]
 
 
 @pytest.mark.parametrize(
@@ -47,16 +54,69 @@ def split_in_pieces(spec: Reasoning, token_ids: list[int], cuts: list[int]) -> t
 )
 def test_the_split_is_the_same_however_the_tokens_are_cut(open_at_start, tokens, thinking, answer):
     spec = Reasoning(START, END, open_at_start)
-    for cuts in [[], *[[i] for i in range(1, len(tokens))], list(range(1, len(tokens)))]:
+    for cuts in _all_cuts(tokens):
         assert split_in_pieces(spec, tokens, cuts) == (thinking, answer), cuts
+
+
+# A harmony vocabulary's tokens: <|channel|>, <|message|>, <|end|>, <|start|>, "analysis", "final", text.
+CHANNEL, MESSAGE, H_END, H_START, ANALYSIS, FINAL, ASSISTANT = 2000, 2001, 2002, 2003, 2004, 2005, 2006
+HARMONY = ChannelReasoning(MESSAGE, H_END, (CHANNEL, ANALYSIS))
+ANSWER_HEADER = [H_START, ASSISTANT, CHANNEL, FINAL, MESSAGE]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "thinking", "answer"),
+    [
+        # Analysis, then the final message: its header starts the answer.
+        ([CHANNEL, ANALYSIS, MESSAGE, 5, 6, H_END, *ANSWER_HEADER, 7, 8], [5, 6], [*ANSWER_HEADER, 7, 8]),
+        # Two analysis messages.
+        (
+            [
+                CHANNEL,
+                ANALYSIS,
+                MESSAGE,
+                5,
+                H_END,
+                H_START,
+                ASSISTANT,
+                CHANNEL,
+                ANALYSIS,
+                MESSAGE,
+                6,
+                H_END,
+                *ANSWER_HEADER,
+            ],
+            [5, 6],
+            ANSWER_HEADER,
+        ),
+        # No analysis: the answer from the first token.
+        ([CHANNEL, FINAL, MESSAGE, 7, 8], [], [CHANNEL, FINAL, MESSAGE, 7, 8]),
+        # A tool call's header (a recipient after the channel) is the answer's.
+        ([CHANNEL, FINAL, 9, 10, MESSAGE, 7], [], [CHANNEL, FINAL, 9, 10, MESSAGE, 7]),
+        # Cut while thinking, or inside the header after it: all thinking, the header unshown.
+        ([CHANNEL, ANALYSIS, MESSAGE, 5, 6], [5, 6], []),
+        ([CHANNEL, ANALYSIS, MESSAGE, 5, H_END, H_START, ASSISTANT], [5], []),
+        # An "analysis" that is not the header's end does not make it analysis.
+        ([CHANNEL, ANALYSIS, 9, MESSAGE, 7], [], [CHANNEL, ANALYSIS, 9, MESSAGE, 7]),
+    ],
+)
+def test_harmony_s_analysis_is_split_off_however_the_tokens_are_cut(tokens, thinking, answer):
+    for cuts in _all_cuts(tokens):
+        assert split_in_pieces(HARMONY, tokens, cuts) == (thinking, answer), cuts
+
+
+def test_text_that_never_makes_a_harmony_header_is_answer_once_too_long_for_one():
+    split = split_of(HARMONY)
+    assert split.feed([7] * 64) == ([], [], []) and not split.answering
+    assert split.feed([8, 9]) == ([], [7] * 64, [8, 9]) and split.answering
 
 
 def test_answering_begins_after_the_end_tag_or_at_once_without_reasoning():
     split = ReasoningSplit(Reasoning(START, END, open_at_start=False))
-    assert not split.answering and split.feed([START, 5]) == ([5], 2) and not split.answering
-    assert split.feed([6, END, 7]) == ([6], 2) and split.answering
+    assert not split.answering and split.feed([START, 5]) == ([5], [], []) and not split.answering
+    assert split.feed([6, END, 7]) == ([6], [], [7]) and split.answering
     plain = ReasoningSplit(Reasoning(START, END, open_at_start=False))
-    assert plain.feed([9, 10]) == ([], 0) and plain.answering
+    assert plain.feed([9, 10]) == ([], [], [9, 10]) and plain.answering
 
 
 def test_auto_reads_think_tags_where_the_template_writes_them(default_tokenizer):

@@ -1,0 +1,228 @@
+"""The harmony format (gpt-oss): its output's text into content and tool calls under any chunking
+(app/serving/harmony.py), the grammar that holds an output to it, the engine's split of the analysis
+channel on a tiny gpt-oss writing a forced harmony output, and a tiny gpt-oss served in process through
+/v1/chat/completions: its calls as OpenAI's tool_calls (streamed as deltas), nothing of the format in
+content."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from app.serving.harmony import HarmonyChannels, HarmonyParser, grammar, is_harmony
+from app.serving.output_format import HARMONY, HERMES, output_format
+from app.serving.reasoning import reasoning_parser
+from app.serving.tools import ArgumentsDelta, CallStarted, Content, Function, ToolUse
+from app.sse_reader import parse_events
+from engine.sampling.grammar import GrammarCompiler
+from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded
+from engine.types import GrammarSpec, SamplingParams
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import collect, harmony_tokenizer
+
+CALL = (
+    "<|start|>assistant<|channel|>commentary<|message|>Checking the <b>weather</b>.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Paris","note":"a<|e|>nd"}'
+)
+WEATHER = Function("get_weather", None, {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}})
+
+
+def parse(pieces_of_text):
+    parser = HarmonyParser()
+    pieces = [p for text in pieces_of_text for p in parser.feed(text)] + parser.finish()
+    content = "".join(p.text for p in pieces if isinstance(p, Content))
+    started = [(p.index, p.name) for p in pieces if isinstance(p, CallStarted)]
+    arguments = {}
+    for p in pieces:
+        if isinstance(p, ArgumentsDelta):
+            arguments[p.index] = arguments.get(p.index, "") + p.text
+    return content, started, arguments, parser
+
+
+def test_a_preamble_is_content_and_a_message_to_a_function_its_call():
+    content, started, arguments, parser = parse([CALL])
+    assert content == "Checking the <b>weather</b>."
+    assert started == [(0, "get_weather")]
+    assert json.loads(arguments[0]) == {"city": "Paris", "note": "a<|e|>nd"}
+    assert [(name, args) for _, name, args in parser.calls()] == [("get_weather", arguments[0])]
+
+
+def test_any_chunking_gives_the_same_result():
+    whole = parse([CALL])[:3]
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(CALL)), rng.randint(1, 30)))
+        parts = [CALL[a:b] for a, b in zip([0, *cuts], [*cuts, len(CALL)])]
+        assert parse(parts)[:3] == whole
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("<|channel|>final<|message|>It is sunny.", "It is sunny.", []),
+        # The recipient before the channel, as gpt-oss's template writes earlier calls.
+        ('<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"x":1}', "", [("f", '{"x":1}')]),
+        # A later analysis message is not content.
+        (
+            "<|channel|>final<|message|>A<|end|><|start|>assistant<|channel|>analysis<|message|>hmm<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>B",
+            "AB",
+            [],
+        ),
+        # Text that is no harmony message at all, and a header that never ends: content.
+        ("Hello, world", "Hello, world", []),
+        ("<|channel|>fin", "<|channel|>fin", []),
+    ],
+)
+def test_channels_and_recipients(text, content, calls):
+    parsed, _, _, parser = parse([text])
+    assert parsed == content
+    assert [(name, args) for _, name, args in parser.calls()] == calls
+
+
+def test_the_grammar_holds_calls_and_answers_to_the_format():
+    required = grammar(ToolUse((WEATHER, Function("other", None, {"type": "object"})), "get_weather"), None).source
+    assert "commentary to=functions.get_weather " in required and "functions.other" not in required
+    assert '"final"' not in required
+    answer = GrammarSpec.json_schema({"type": "object"})
+    either = grammar(ToolUse((WEATHER,), "auto"), answer).source
+    assert "functions.get_weather" in either and '"final"' in either
+    assert '"final"' in grammar(None, answer).source
+    # Tool choice auto, no schema: the model's own format, parsed as it comes.
+    assert grammar(ToolUse((WEATHER,), "auto"), None) is None and grammar(None, None) is None
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_tokenizer):
+    return harmony_tokenizer(default_tokenizer)
+
+
+def test_a_harmony_tokenizer_gets_harmony_s_parsers_and_shows_its_syntax(tokenizer, default_tokenizer):
+    assert is_harmony(tokenizer) and not is_harmony(default_tokenizer)
+    assert output_format("auto", tokenizer) is HARMONY and output_format("auto", default_tokenizer) is HERMES
+    assert output_format("hermes", tokenizer) is HERMES
+    with pytest.raises(ValueError, match="harmony"):
+        output_format("harmony", default_tokenizer)
+    assert isinstance(reasoning_parser("auto", tokenizer), HarmonyChannels)
+    assert reasoning_parser("none", tokenizer) is None
+    loaded = tiny_loaded(tokenizer, vocab_size=len(tokenizer))
+    shown = loaded.token_bytes.join(
+        tokenizer.encode("<|channel|>final<|message|>Hi<|return|>", add_special_tokens=False)
+    )
+    assert shown == b"<|channel|>final<|message|>Hi"
+
+
+def test_the_grammar_compiles_and_takes_a_call_after_analysis_or_without(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|return|>")])
+    spec = grammar(ToolUse((WEATHER,), "required"), None)
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>'
+    for text in (call, f"<|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant{call}"):
+        matcher = compiler.constraint(spec).matcher
+        assert matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)), text
+        assert matcher.is_stopped()
+    refused = compiler.constraint(spec).matcher
+    assert not refused.consume_tokens(tokenizer.encode("<|channel|>final<|message|>Hi", add_special_tokens=False))
+
+
+async def test_the_engine_splits_the_analysis_off_and_the_answer_keeps_its_header(tokenizer):
+    # A grammar of literals makes the random model write a whole harmony output; the analysis channel's
+    # text then comes as reasoning, and the answer as its messages, the header held across steps.
+    loaded = tiny_loaded(tokenizer, "gpt_oss", vocab_size=len(tokenizer), kernels_cache=CACHE_DIR)
+    forced = GrammarSpec(
+        "grammar",
+        'start: <|channel|> "analysis" <|message|> "Two plus two." <|end|> <|start|> "assistant" <|channel|> "final"'
+        ' <|message|> "Four."',
+    )
+    reasoning = HarmonyChannels.of(tokenizer).for_prompt([])
+    engine = tiny_engine(loaded)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, grammar=forced, reasoning=reasoning)
+        chunks = await collect(engine, tokenizer.encode("<|start|>assistant", add_special_tokens=False), params)
+    finally:
+        engine.shutdown()
+    assert "".join(c.reasoning for c in chunks) == "Two plus two."
+    text = "".join(c.text for c in chunks)
+    assert text == "<|start|>assistant<|channel|>final<|message|>Four."
+    assert parse([text])[0] == "Four."
+    assert chunks[-1].timings.reasoning_tokens == len(tokenizer.encode("Two plus two.", add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_folder(tmp_path_factory, tokenizer):
+    """A tiny random gpt-oss over the harmony tokenizer, its ends of sequence <|return|> and <|call|>."""
+    model = tiny_hf_model("gpt_oss", vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    folder = tmp_path_factory.mktemp("gpt-oss")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+async def client(gpt_oss_folder):
+    """/v1 of a server of the tiny gpt-oss, in this process."""
+    from app.server import create_app
+    from app.settings import Settings
+
+    settings = Settings(
+        model=str(gpt_oss_folder), cache_dir=CACHE_DIR, max_model_len=512, kv_cache_gib=0.02, device="cpu"
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sluice/v1", timeout=120) as client:
+            yield client
+
+
+def _weather_request(tokenizer, **extra) -> dict:
+    # Where the grammar lets the model choose, these biases make it think (analysis) and stop thinking at once.
+    analysis, end = tokenizer.convert_tokens_to_ids(["analysis", "<|end|>"])
+    return {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": WEATHER.name, "parameters": WEATHER.parameters}}],
+        "tool_choice": "required",
+        "max_tokens": 40,
+        "temperature": 0,
+        "logit_bias": {str(analysis): 30, str(end): 60},
+        **extra,
+    }
+
+
+@pytest.mark.slow
+async def test_gpt_oss_s_calls_come_as_tool_calls_and_its_final_channel_as_content(client, tokenizer):
+    folded = (await client.post("/chat/completions", json=_weather_request(tokenizer))).json()
+    choice = folded["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert not message.get("content") and "<|" not in json.dumps(message)
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+
+    async with client.stream("POST", "/chat/completions", json=_weather_request(tokenizer, stream=True)) as response:
+        events = parse_events([line async for line in response.aiter_lines()])
+    assert events[-1].data == "[DONE]"
+    deltas = [e.json()["choices"][0]["delta"] for e in events[:-1] if e.json()["choices"]]
+    streamed = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if d.get("tool_calls"))
+    assert streamed == call["function"]["arguments"]
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if d.get("tool_calls", [{}])[0].get("id")] == [
+        "get_weather"
+    ]
+    assert not "".join(d.get("content") or "" for d in deltas)
+
+    # A JSON schema: the answer's final message, its body the content.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = _weather_request(
+        tokenizer, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    )
+    del body["tools"], body["tool_choice"]
+    message = (await client.post("/chat/completions", json=body)).json()["choices"][0]["message"]
+    assert isinstance(json.loads(message["content"])["ok"], bool)
+    del body["response_format"]
+    refused = await client.post("/chat/completions", json={**body, "guided_regex": "a+"})
+    assert refused.status_code == 400 and "harmony" in refused.json()["error"]["message"]
