@@ -160,6 +160,7 @@ def tiny_loaded(
         path=Path("."),
         eos_token_ids=frozenset(),
         max_position_embeddings=1024,
+        vocab_size=model.vocab_size,
     )
 
 

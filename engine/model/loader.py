@@ -25,6 +25,7 @@ from transformers import (  # noqa: E402
     AutoModelForImageTextToText,
     AutoProcessor,
     AutoTokenizer,
+    GenerationConfig,
     Mxfp4Config,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -53,22 +54,30 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARKER = ".sluice-complete"
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    """Everything the engine and the HTTP layer need to know about the served model."""
+@dataclass(frozen=True, kw_only=True)
+class ServedModel:
+    """What the HTTP layer needs to know about the served model: its tokenizer and limits, not its weights
+    (a cluster's ingress loads only this: load_served_model)."""
 
-    model: PagedCausalLM
     tokenizer: PreTrainedTokenizerBase
     token_bytes: TokenBytes
     name: str
     path: Path
     eos_token_ids: frozenset[int]
     max_position_embeddings: int
+    vocab_size: int
+    # A vision-language model's processor (from the folder): images → tower inputs, placeholders → image
+    # tokens. None for a text model, which takes no images (and in a cluster's ingress, for now).
+    processor: ProcessorMixin | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedModel(ServedModel):
+    """The served model with its weights on the device: what an engine runs."""
+
+    model: PagedCausalLM
     # Sluice's CPU kernels, for the sampler; None on a GPU or where they cannot run.
     cpu_kernels: ctypes.CDLL | None = None
-    # A vision-language model's processor (from the folder): images → tower inputs, placeholders → image
-    # tokens. None for a text model, which takes no images.
-    processor: ProcessorMixin | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -164,15 +173,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (a local HF folder, or None for the embedded default) onto the device; `quantize`
     ("q8_0" or "q4_1") quantizes its linear layers for the batch-invariant kernels."""
-    if model is None:
-        path = convert_gguf(default_model_gguf(), cache_dir)
-        name = DEFAULT_MODEL_NAME
-    else:
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ModelFolderError(f"{path} is not a Hugging Face model folder (no config.json)")
-        check_model_folder(path)
-        name = path.name
+    path, name = _model_folder(model, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, batch_invariant)
     logger.info("loading %s from %s on %s as %s", name, path, torch_device, torch_dtype)
@@ -227,6 +228,7 @@ def load_model(
         path=path,
         eos_token_ids=eos,
         max_position_embeddings=paged.max_position_embeddings,
+        vocab_size=paged.vocab_size,
         cpu_kernels=load_library(cache_dir) if torch_device.type == "cpu" else None,
         processor=processor,
     )
@@ -249,6 +251,39 @@ def _dequantizing(path: Path, name: str, dtype: torch.dtype) -> dict:
     # dequantize=True: without it transformers fetches Triton kernels from the Hub where it can, or
     # replaces the experts with modules the forward cannot run.
     return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def _model_folder(model: str | None, cache_dir: Path) -> tuple[Path, str]:
+    """The folder of `model` (a local HF folder, or None for the embedded default) and its served name."""
+    if model is None:
+        return convert_gguf(default_model_gguf(), cache_dir), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelFolderError(f"{path} is not a Hugging Face model folder (no config.json)")
+    check_model_folder(path)
+    return path, path.name
+
+
+def load_served_model(model: str | None, cache_dir: Path) -> ServedModel:
+    """The tokenizer and the limits of `model` (as load_model names and finds it), without its weights
+    (the embedded default is converted first where no engine has converted it yet)."""
+    path, name = _model_folder(model, cache_dir)
+    # A vision-language model's decoder's (its images are not served through a cluster yet).
+    config = AutoConfig.from_pretrained(path).get_text_config()
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: transformers derives it from the config, as here
+        generation = GenerationConfig.from_model_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return ServedModel(
+        tokenizer=tokenizer,
+        token_bytes=TokenBytes.from_tokenizer(tokenizer),
+        name=name,
+        path=path,
+        eos_token_ids=_eos_token_ids(generation.eos_token_id, tokenizer),
+        max_position_embeddings=config.max_position_embeddings,
+        vocab_size=config.vocab_size,
+    )
 
 
 # The weights files transformers reads, each alone or as the index of its shards.
