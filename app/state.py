@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,10 +29,10 @@ from app.serving.tools import ToolUse
 from app.settings import Settings
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import Engine
-from engine.engine_client import EngineClient
+from engine.engine_client import EngineClient, ReplicaSet
 from engine.images import ImageInput
 from engine.model.causal_lm import PagedCausalLM
-from engine.model.loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, ServedModel, load_model
 from engine.sampling.grammar import GrammarError
 from engine.sizing import choose_sizes, num_kv_blocks
 from engine.types import GrammarSpec, Reasoning
@@ -45,7 +46,7 @@ class ServerState:
     cluster the replicas behind app/cluster/)."""
 
     settings: Settings
-    loaded: LoadedModel
+    loaded: ServedModel
     engine: EngineClient
     model_name: str
     limits: ServingLimits
@@ -62,6 +63,15 @@ class ServerState:
     # What requests' images may be, and the client that fetches those from allowed hosts.
     media: MediaPolicy
     media_client: httpx.AsyncClient
+    # A cluster's engine replicas (None: this process's engine), and the tag of this ingress replica that
+    # ends the ids of the streams and responses it holds, so any other ingress replica forwards their
+    # requests here (app/cluster/forwarding.py).
+    replicas: ReplicaSet | None = None
+    id_tag: str | None = None
+
+    def new_id(self, prefix: str) -> str:
+        """A completion's or a response's id, naming the ingress replica that holds it in a cluster."""
+        return f"{prefix}{uuid.uuid4().hex}" + (f".{self.id_tag}" if self.id_tag else "")
 
     def accounting_for(
         self,
@@ -245,8 +255,16 @@ def build_state(settings: Settings) -> ServerState:
     return serve_state(settings, loaded, engine)
 
 
-def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, num_replicas: int = 1) -> ServerState:
-    """The routes' state over `engine`: with `num_replicas` engines behind it, as many seats are admitted."""
+def serve_state(
+    settings: Settings,
+    loaded: ServedModel,
+    engine: EngineClient,
+    num_replicas: int = 1,
+    replicas: ReplicaSet | None = None,
+    id_tag: str | None = None,
+) -> ServerState:
+    """The routes' state over `engine`: with `num_replicas` engines behind it, as many seats are admitted;
+    in a cluster's ingress, `replicas` are those engines and `id_tag` this ingress replica's."""
     config = engine.config
     model_name = settings.served_model_name or loaded.name
     return ServerState(
@@ -258,7 +276,7 @@ def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, n
         output_format=output_format(settings.tool_call_parser, loaded.tokenizer),
         limits=ServingLimits(
             max_model_len=config.max_model_len,
-            vocab_size=loaded.model.vocab_size,
+            vocab_size=loaded.vocab_size,
             max_num_seqs=config.max_num_seqs,
             stream_interval=settings.stream_interval,
             max_tokens_limit=settings.max_tokens_limit,
@@ -268,7 +286,7 @@ def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, n
         responses=ResponseStore(settings.response_retention, engine.unpin),
         api_keys=load_api_keys(settings),
         admission=Admission(settings.max_queue, config.max_num_seqs * num_replicas),
-        metrics=Metrics(model_name, lambda: engine.stats),
+        metrics=Metrics(model_name, lambda: engine.stats, replicas),
         audit=AuditLog(settings.audit_log, settings.audit_log_content) if settings.audit_log else None,
         media=MediaPolicy(
             max_images=settings.limit_images_per_prompt,
@@ -279,4 +297,6 @@ def serve_state(settings: Settings, loaded: LoadedModel, engine: EngineClient, n
         ),
         # Redirects are followed by hand, each checked against the allowed hosts; no proxy from the environment.
         media_client=httpx.AsyncClient(follow_redirects=False, trust_env=False),
+        replicas=replicas,
+        id_tag=id_tag,
     )

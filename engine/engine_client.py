@@ -1,5 +1,6 @@
 """EngineClient: what a server asks of an engine. Engine is one; app/cluster/'s ReplicaPool, the engines of
-Ray Serve replicas behind one handle, is the other."""
+Ray Serve replicas behind one handle, is the other, and a ReplicaSet too: what /health and /metrics show
+of each replica and of the routing."""
 
 from __future__ import annotations
 
@@ -42,3 +43,15 @@ class EngineClient(Protocol):
 
     @property
     def alive(self) -> bool: ...
+
+
+class ReplicaSet(Protocol):
+    """The engine replicas behind a cluster's ingress, as its router last heard from them."""
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each serving replica's last published stats, by replica id."""
+        ...
+
+    def routing_decisions(self) -> dict[str, int]:
+        """How many requests this ingress routed each way (to the prefix's replica, to a pin, ...)."""
+        ...

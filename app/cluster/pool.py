@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 
 from ray.serve.handle import DeploymentHandle
 
+from app.cluster import router_registry
 from engine.channel import StreamChannel
 from engine.config import EngineConfig, EngineStats
 from engine.images import ImageInput
-from engine.model.loader import LoadedModel
+from engine.model.loader import ServedModel
 from engine.sampling.grammar import GrammarCompiler
 from engine.types import Chunk, FinishReason, SamplingParams
 
@@ -50,13 +51,14 @@ class _Relay:
 
 class ReplicaPool:
     """The replicas behind `handle` as one engine: every request submitted gets one terminal chunk per choice,
-    its replica's, or an error if the replica fails or goes away, or a cancel's."""
+    its replica's, or an error if the replica fails or goes away, or a cancel's. Also the ReplicaSet of
+    /health and /metrics, as the handle's router last heard from the replicas."""
 
-    def __init__(self, handle: DeploymentHandle, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, handle: DeploymentHandle, config: EngineConfig, served: ServedModel) -> None:
         self.config = config
-        self.token_bytes = loaded.token_bytes
+        self.token_bytes = served.token_bytes
         # Grammars are compiled here too: a bad one is the route's 400 before anything is sent.
-        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
+        self.grammars = GrammarCompiler(served.tokenizer, served.vocab_size, served.eos_token_ids)
         self._handle = handle
         self._streams = handle.options(stream=True)
         self._relays: set[_Relay] = set()
@@ -122,30 +124,22 @@ class ReplicaPool:
         self._closed = True
         self.abort_all("the engine is shutting down")
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        router = router_registry.router_of(self._handle.app_name)
+        return router.replica_stats() if router is not None else {}
+
+    def routing_decisions(self) -> dict[str, int]:
+        router = router_registry.router_of(self._handle.app_name)
+        return dict(router.decisions) if router is not None else {}
+
     @property
     def stats(self) -> EngineStats:
-        """The ingress's own view: requests relayed and not finished count as running (each replica's
-        own figures are its routing stats)."""
-        return replace(_IDLE, alive=not self._closed, num_running=len(self._relays))
+        """The serving replicas' figures added up (as each last published them, within a second)."""
+        serving = [s for s in self.replica_stats().values() if s.alive]
+        total = {f.name: sum(getattr(s, f.name) for s in serving) for f in fields(EngineStats) if f.name != "alive"}
+        return EngineStats(alive=not self._closed and bool(serving), **total)
 
     @property
     def alive(self) -> bool:
-        return not self._closed
-
-
-_IDLE = EngineStats(
-    alive=True,
-    num_running=0,
-    num_waiting=0,
-    num_paused=0,
-    kv_blocks_used=0,
-    kv_blocks_total=0,
-    num_steps=0,
-    num_preemptions=0,
-    num_draft_tokens=0,
-    num_accepted_tokens=0,
-    kv_blocks_cached=0,
-    kv_blocks_pinned=0,
-    num_prefix_query_tokens=0,
-    num_prefix_hit_tokens=0,
-)
+        """Open, with at least one replica serving."""
+        return not self._closed and any(s.alive for s in self.replica_stats().values())

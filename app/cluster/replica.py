@@ -6,6 +6,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
+from app.cluster.router import routing_stats
 from app.settings import Settings
 from app.state import build_engine
 from engine.channel import StreamChannel
@@ -71,12 +72,14 @@ class EngineReplica:
         self.engine.inject_fault()
 
     def record_routing_stats(self) -> dict[str, float]:
-        """What the router weighs replicas by: requests held (running, waiting, paused) and the KV in use."""
-        stats = self.engine.stats
-        return {
-            "num_requests": stats.num_running + stats.num_waiting + stats.num_paused,
-            "kv_used": stats.kv_blocks_used / max(1, stats.kv_blocks_total),
-        }
+        """The engine's stats, to every router: what they weigh replicas by (requests held), and what the
+        ingress's /health and /metrics show of each replica."""
+        return routing_stats(self.engine.stats)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check (every 2 s): a replica whose engine thread died is replaced."""
+        if not self.engine.alive:
+            raise RuntimeError("the engine thread is not running")
 
     def __del__(self) -> None:
         self.engine.shutdown()

@@ -1,35 +1,42 @@
-"""`sluice cluster`: Sluice on Ray Serve, an ingress serving the same app over N engine replicas.
+"""`sluice cluster`: Sluice on Ray Serve, ingress replicas serving the same app over N engine replicas.
 
-    client ─HTTP─► Serve proxy ─► SluiceIngress (create_app: routes, tokenizer, renderer, stream registry)
-                                     │ ReplicaPool.submit ─ DeploymentHandle(stream=True), CacheAwareRouter
-                                     ▼
-                            EngineReplica × N (one Engine each) ─► chunks back, one per engine step
+    client ─HTTP─► Serve proxy ─IngressRouter─► SluiceIngress × M (create_app: routes, tokenizer, renderer,
+                                                  │  stream registry; Forwarder: ids held by another ingress)
+                                                  │ ReplicaPool.submit ─ DeploymentHandle(stream=True)
+                                                  │                      CacheAwareRouter
+                                                  ▼
+                                      EngineReplica × N (one Engine each) ─► chunks back, one per step
 
-`build_app(settings)` is the Serve application, for `serve.run` or a Serve config's `import_path`
-(deploy/ray/serve.yaml); `main()` starts a local Ray cluster with it on this machine.
+`build_app(settings)` is the Serve application, for `serve.run`; `app_builder(args)` the same for a Serve
+config's `import_path` (deploy/ray/serve.yaml); `main()` starts a local Ray cluster with it on this machine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Self
 
 import ray
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import CliApp, SettingsConfigDict
 from ray import serve
-from ray.serve.config import HTTPOptions, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, HTTPOptions, RequestRouterConfig
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp, Message
 
+from app.cluster.forwarding import ForwardedRequest, Forwarder, answer_forwarded
 from app.cluster.pool import ReplicaPool
 from app.cluster.replica import EngineReplica
-from app.cluster.router import CacheAwareRouter
+from app.cluster.router import CacheAwareRouter, IngressRouter
 from app.server import create_app
 from app.settings import Settings
 from app.state import ServerState, serve_state
-from engine.model.loader import load_model
+from engine.model.loader import load_served_model
 
 logger = logging.getLogger(__name__)
 
@@ -42,60 +49,131 @@ class ClusterSettings(Settings):
     model_config = SettingsConfigDict(**{**Settings.model_config, "cli_prog_name": "sluice cluster"})
 
     replicas: int = Field(2, ge=1)
-    """Engine replicas, each one Sluice engine (on one GPU each with --device cuda)."""
+    """Engine replicas, each one Sluice engine (on one GPU each with --device cuda); with --max-replicas, how
+    many start."""
+    min_replicas: int = Field(1, ge=1)
+    """With --max-replicas: the fewest engine replicas autoscaling keeps."""
+    max_replicas: int | None = Field(None, ge=1)
+    """Autoscale the engine replicas between --min-replicas and this many on their ongoing requests (unset: a
+    fixed --replicas, which an external scaler may change through Ray Serve)."""
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    """With --max-replicas: the ongoing requests per replica autoscaling aims at."""
+    ingress_replicas: int = Field(1, ge=1)
+    """Ingress replicas (HTTP, tokenizing, streams' logs, stored responses; no weights). Any of them serves
+    any request: one holding a stream or response another made forwards it there."""
     replica_cpus: float = Field(1.0, gt=0)
-    """CPUs Ray reserves for each replica."""
+    """CPUs Ray reserves for each engine replica."""
     route_imbalance: int = Field(4, ge=0)
     """A prompt goes to the replica holding its prefix unless that one holds this many more requests than
     the least-loaded replica."""
+    request_router: Literal["cache-aware", "power-of-two"] = "cache-aware"
+    """How prompts are spread over engine replicas: Sluice's prefix-aware router, or Ray Serve's default
+    (two replicas at random, the shorter queue; stored responses' pins are then not followed)."""
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> Self:
+        if self.max_replicas is not None and not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"--replicas {self.replicas} must lie between --min-replicas {self.min_replicas} "
+                f"and --max-replicas {self.max_replicas}"
+            )
+        return self
 
 
 class SluiceIngress:
-    """The ingress: Sluice's FastAPI app, its engine the replicas behind `replicas`."""
+    """An ingress replica: Sluice's FastAPI app, its engine the replicas behind `replicas`, behind a
+    Forwarder to the other ingress replicas."""
 
     def __init__(self, settings: ClusterSettings, replicas: DeploymentHandle) -> None:
         self.settings = settings
         self.replicas = replicas
+        context = serve.get_replica_context()
+        self.tag = context.replica_id.unique_id
+        self._ingresses = serve.get_deployment_handle(INGRESS, context.app_name).options(stream=True)
+        self._app: ASGIApp | None = None
 
-    def __serve_build_asgi_app__(self):
-        return create_app(self.settings, start=self._start)
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        self._app = create_app(self.settings, start=self._start)
+        return Forwarder(
+            self._app,
+            self.tag,
+            lambda holder, request: self._ingresses.forwarded.remote(holder, request),
+            self.settings.max_request_bytes,
+        )
+
+    async def forwarded(self, holder: str, request: ForwardedRequest) -> AsyncIterator[Message]:
+        """A request another ingress replica received for an id this one holds, answered by this one's app."""
+        assert self._app is not None
+        async for message in answer_forwarded(self._app, self.tag, holder, request):
+            yield message
 
     async def _start(self, settings: Settings) -> ServerState:
-        # The tokenizer, chat template and grammar compiler run here; the model's weights come along
-        # with load_model (see docs/scaling.md).
-        loaded = load_model(
-            settings.model, settings.cache_dir, "cpu", "float32", batch_invariant=settings.batch_invariant
-        )
+        # After the replicas are up, which converted the default model if it had to be.
         config = await self.replicas.config.remote()
-        pool = ReplicaPool(self.replicas, config, loaded)
-        return serve_state(settings, loaded, pool, num_replicas=self.settings.replicas)
+        served = await asyncio.to_thread(load_served_model, settings.model, settings.cache_dir)
+        pool = ReplicaPool(self.replicas, config, served)
+        seats = self.settings.max_replicas or self.settings.replicas
+        return serve_state(settings, served, pool, num_replicas=seats, replicas=pool, id_tag=self.tag)
 
 
 def build_app(settings: ClusterSettings) -> Application:
-    """The Serve application: one ingress over `settings.replicas` engine replicas."""
+    """The Serve application: `settings.ingress_replicas` ingress replicas over the engine replicas."""
     max_ongoing = 4 * (settings.max_num_seqs or 256)
-    replica = serve.deployment(EngineReplica, name=REPLICA).options(
-        num_replicas=settings.replicas,
-        ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": 1 if settings.device == "cuda" else 0},
-        max_ongoing_requests=max_ongoing,
-        request_router_config=RequestRouterConfig(
+    if settings.request_router == "cache-aware":
+        router = RequestRouterConfig(
             request_router_class=CacheAwareRouter,
             request_router_kwargs={"block_size": settings.block_size, "imbalance": settings.route_imbalance},
             request_routing_stats_period_s=1,
             request_routing_stats_timeout_s=1,
-        ),
+        )
+    else:
+        router = RequestRouterConfig(request_routing_stats_period_s=1, request_routing_stats_timeout_s=1)
+    scaling = (
+        {"num_replicas": settings.replicas}
+        if settings.max_replicas is None
+        else {
+            "autoscaling_config": AutoscalingConfig(
+                min_replicas=settings.min_replicas,
+                initial_replicas=settings.replicas,
+                max_replicas=settings.max_replicas,
+                target_ongoing_requests=settings.target_ongoing_requests,
+            )
+        }
+    )
+    replica = serve.deployment(EngineReplica, name=REPLICA).options(
+        **scaling,
+        ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": 1 if settings.device == "cuda" else 0},
+        max_ongoing_requests=max_ongoing,
+        request_router_config=router,
+        # Taken away (scale-down, redeploy), a replica is sent nothing new and its streams run to their end
+        # for up to this long, as one server drains on SIGTERM; what is left then ends with an error event.
+        graceful_shutdown_timeout_s=settings.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=0.5,
+        # A replica whose process or engine died is replaced within seconds.
+        health_check_period_s=2,
+        health_check_timeout_s=10,
     )
     ingress = serve.deployment(serve.ingress()(SluiceIngress), name=INGRESS).options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max_ongoing
+        num_replicas=settings.ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max_ongoing,
+        request_router_config=RequestRouterConfig(request_router_class=IngressRouter),
+        graceful_shutdown_timeout_s=settings.shutdown_timeout,
     )
     return ingress.bind(settings, replica.bind(settings))
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """The application of a Serve config (`import_path: app.cluster.serve:app_builder`, deploy/ray/serve.yaml):
+    its `args` are `sluice cluster`'s settings by field name (`replicas: 4`, `max_num_seqs: 64`)."""
+    return build_app(ClusterSettings(**args))
 
 
 def main(args: list[str]) -> None:
     settings = CliApp.run(ClusterSettings, cli_args=args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ray.init(
-        num_cpus=settings.replicas * settings.replica_cpus,
+        num_cpus=(settings.max_replicas or settings.replicas) * settings.replica_cpus,
         include_dashboard=False,
         logging_level=settings.log_level.upper(),
         log_to_driver=settings.log_level == "debug",
@@ -106,7 +184,10 @@ def main(args: list[str]) -> None:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options=HTTPOptions(host=settings.host, port=settings.port))
-        serve.run(build_app(settings), name="sluice", route_prefix="/")
+        # With a fixed number of engine replicas, an external scaler may change it (Ray Serve's scale API).
+        serve.run(
+            build_app(settings), name="sluice", route_prefix="/", external_scaler_enabled=settings.max_replicas is None
+        )
         logger.info("serving on http://%s:%d with %d replicas", settings.host, settings.port, settings.replicas)
         stop.wait()
     finally:

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from engine.config import EngineStats
+from engine.engine_client import ReplicaSet
 from engine.types import Timings
 
 # vLLM's buckets, so the same dashboard panels and alerts apply.
@@ -27,43 +28,86 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _EngineCollector(Collector):
-    """Engine state at scrape time, from its last published stats."""
+    """Engine state at scrape time, from its last published stats; in a cluster's ingress, each replica's,
+    labelled with its replica id, and the router's decisions."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], replicas: ReplicaSet | None) -> None:
         self._model_name = model_name
         self._stats = stats
+        self._replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        label = [self._model_name]
-        for name, doc, value in (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("num_requests_paused", "Running requests paused for a slow reader.", stats.num_paused),
-            (
-                "kv_cache_usage_perc",
-                "Fraction of KV-cache blocks in use.",
-                stats.kv_blocks_used / stats.kv_blocks_total,
-            ),
-            (
-                "kv_cache_pinned_perc",
-                "Fraction of KV-cache blocks pinned for stored responses (Sluice's own; in kv_cache_usage_perc too).",
-                stats.kv_blocks_pinned / stats.kv_blocks_total,
-            ),
-        ):
-            gauge = GaugeMetricFamily(f"sluice:{name}", doc, labels=["model_name"])
-            gauge.add_metric(label, value)
-            yield gauge
-        for name, doc, value in (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.num_prefix_query_tokens),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.num_prefix_hit_tokens),
-            ("num_preemptions", "Requests preempted to free KV blocks.", stats.num_preemptions),
-            ("spec_decode_num_draft_tokens", "Speculative tokens proposed.", stats.num_draft_tokens),
-            ("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", stats.num_accepted_tokens),
-        ):
-            counter = CounterMetricFamily(f"sluice:{name}", doc, labels=["model_name"])
-            counter.add_metric(label, value)
-            yield counter
+        if self._replicas is None:
+            yield from self._engine_metrics(["model_name"], [([self._model_name], self._stats())])
+            return
+        replicas = self._replicas.replica_stats()
+        yield from self._engine_metrics(
+            ["model_name", "replica"], [([self._model_name, replica], stats) for replica, stats in replicas.items()]
+        )
+        decisions = CounterMetricFamily(
+            "sluice:routing_decisions",
+            "Generation requests this ingress routed, by decision: to the replica it sent the prompt's prefix "
+            "(affinity), to the replica an unseen prefix hashes to (home), to a stored response's pinned KV "
+            "(pinned), to the least-loaded because the one of affinity or home was too busy (fallback), or "
+            "because the prompt is shorter than a block (least_loaded).",
+            labels=["model_name", "decision"],
+        )
+        for decision, count in self._replicas.routing_decisions().items():
+            decisions.add_metric([self._model_name, decision], count)
+        yield decisions
+
+    @staticmethod
+    def _engine_metrics(labels: list[str], engines: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
+        for family, name, doc, value in _ENGINE_METRICS:
+            metric = family(f"sluice:{name}", doc, labels=labels)
+            for label, stats in engines:
+                metric.add_metric(label, value(stats))
+            yield metric
+
+
+# An engine's gauges and counters: its stats at scrape time.
+_ENGINE_METRICS: tuple[tuple[type[Metric], str, str, Callable[[EngineStats], float]], ...] = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    (GaugeMetricFamily, "num_requests_paused", "Running requests paused for a slow reader.", lambda s: s.num_paused),
+    (
+        GaugeMetricFamily,
+        "kv_cache_usage_perc",
+        "Fraction of KV-cache blocks in use.",
+        lambda s: s.kv_blocks_used / max(1, s.kv_blocks_total),
+    ),
+    (
+        GaugeMetricFamily,
+        "kv_cache_pinned_perc",
+        "Fraction of KV-cache blocks pinned for stored responses (Sluice's own; in kv_cache_usage_perc too).",
+        lambda s: s.kv_blocks_pinned / max(1, s.kv_blocks_total),
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        lambda s: s.num_prefix_query_tokens,
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_hits",
+        "Prompt tokens found in the prefix cache.",
+        lambda s: s.num_prefix_hit_tokens,
+    ),
+    (CounterMetricFamily, "num_preemptions", "Requests preempted to free KV blocks.", lambda s: s.num_preemptions),
+    (
+        CounterMetricFamily,
+        "spec_decode_num_draft_tokens",
+        "Speculative tokens proposed.",
+        lambda s: s.num_draft_tokens,
+    ),
+    (
+        CounterMetricFamily,
+        "spec_decode_num_accepted_tokens",
+        "Speculative tokens accepted.",
+        lambda s: s.num_accepted_tokens,
+    ),
+)
 
 
 class LoopHistogram(Collector):
@@ -94,7 +138,7 @@ class LoopHistogram(Collector):
 class Metrics:
     """Every collector of one server, in a registry of its own (several servers can share a process in tests)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], replicas: ReplicaSet | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -127,7 +171,7 @@ class Metrics:
             ["method", "handler", "status"],
             registry=self.registry,
         )
-        self.registry.register(_EngineCollector(model_name, stats))
+        self.registry.register(_EngineCollector(model_name, stats, replicas))
 
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

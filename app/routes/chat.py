@@ -40,6 +40,7 @@ async def create_chat_completion(
         state.engine,
         "chat",
         state.model_name,
+        state.new_id("chatcmpl-"),
         prompt_ids,
         params,
         body.include_usage,

@@ -29,7 +29,14 @@ async def create_completion(
         request, "/v1/completions", body.stream, len(prompt_ids), params.n, lambda: prompt
     )
     renderer = CompletionRenderer.start(
-        state.engine, "text", state.model_name, prompt_ids, params, body.include_usage, accounting
+        state.engine,
+        "text",
+        state.model_name,
+        state.new_id("cmpl-"),
+        prompt_ids,
+        params,
+        body.include_usage,
+        accounting,
     )
     if not body.stream:
         return await renderer.fold()

@@ -35,6 +35,23 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "prefix_cache_hit_tokens": stats.num_prefix_hit_tokens,
         "prefix_cache_hit_rate": round(stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens), 4),
     }
+    if state.replicas is not None:
+        # A cluster's figures above are its serving replicas' sums; each one's own follow.
+        replicas = state.replicas.replica_stats()
+        body["num_replicas"] = sum(s.alive for s in replicas.values())
+        body["replicas"] = {
+            replica: {
+                "alive": s.alive,
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting,
+                "kv_blocks_used": s.kv_blocks_used,
+                "kv_blocks_total": s.kv_blocks_total,
+                "prefix_cache_query_tokens": s.num_prefix_query_tokens,
+                "prefix_cache_hit_tokens": s.num_prefix_hit_tokens,
+            }
+            for replica, s in replicas.items()
+        }
+        body["routing"] = state.replicas.routing_decisions()
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

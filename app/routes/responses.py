@@ -12,7 +12,7 @@ from app.errors import OpenAIError
 from app.operations.admission import admit, require_api_key
 from app.serving.image_prompt import image_parts
 from app.serving.prompting import continuation_ids
-from app.serving.responses import Conversation, ResponseRun, new_response_id
+from app.serving.responses import Conversation, ResponseRun
 from app.serving.responses_protocol import DeletedResponse, NamedFunctionChoice, ResponseObject, ResponsesRequest
 from app.serving.sse import STREAMED_200, event_stream
 from app.serving.streaming import CompletionRenderer
@@ -40,7 +40,7 @@ async def create_response(
     tool_use = body.tool_use()
     conversation, images = await _conversation(body, state, tool_use)
     grammar = await state.output_grammar(body.grammar(), tool_use)
-    response_id = new_response_id()
+    response_id = state.new_id("resp_")
     reasoning = state.reasoning_for(conversation.prompt_ids)
     params = body.to_sampling_params(len(conversation.prompt_ids), state.limits, grammar, reasoning)
     params = replace(params, keep_kv_as=response_id if body.store else None, continues=body.previous_response_id)
@@ -56,11 +56,11 @@ async def create_response(
         state.engine,
         "chat",
         state.model_name,
+        response_id,
         conversation.prompt_ids,
         params,
         include_usage=False,
         accounting=accounting,
-        completion_id=response_id,
         images=images,
     )
     response = ResponseObject(

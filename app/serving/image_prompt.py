@@ -14,7 +14,7 @@ from app.errors import OpenAIError
 from app.serving.images import ImagePart, MediaPolicy, decode_image, image_bytes
 from app.serving.protocol import ChatMessage
 from engine.images import ImageInput
-from engine.model.loader import LoadedModel
+from engine.model.loader import LoadedModel, ServedModel
 
 
 def image_parts(messages: list[ChatMessage], name: str = "messages") -> list[ImagePart]:
@@ -27,7 +27,7 @@ def image_parts(messages: list[ChatMessage], name: str = "messages") -> list[Ima
 
 
 async def load_images(
-    parts: list[ImagePart], policy: MediaPolicy, client: httpx.AsyncClient, loaded: LoadedModel
+    parts: list[ImagePart], policy: MediaPolicy, client: httpx.AsyncClient, loaded: ServedModel
 ) -> list[Image.Image]:
     """The parts' images, decoded, in order; a 400 naming the first part at fault."""
     if not parts:
@@ -55,11 +55,13 @@ async def load_images(
 
 
 async def vision_prompt(
-    loaded: LoadedModel, text: str, images: list[Image.Image], param: str
+    loaded: ServedModel, text: str, images: list[Image.Image], param: str
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """The rendered prompt `text` with its `images` through the model's processor: token ids and images."""
+    # A processor comes with the model's weights (a cluster's ingress has neither).
+    assert isinstance(loaded, LoadedModel) and loaded.processor is not None
     vision = loaded.model.vision
-    assert vision is not None and loaded.processor is not None
+    assert vision is not None
     try:
         return await run_in_threadpool(vision.prompt, loaded.processor, text, images)
     except ValueError as exc:

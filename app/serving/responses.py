@@ -51,10 +51,6 @@ _FINAL_EVENTS = {
 }
 
 
-def new_response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
-
-
 @dataclass
 class Conversation:
     """What a follow-up needs: the turn's instructions and tools, the messages so far (without the

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -131,18 +130,17 @@ class CompletionRenderer:
         engine: EngineClient,
         kind: Kind,
         model: str,
+        completion_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         include_usage: bool,
         accounting: Callable[[str], Accounting] | None = None,
         parser: Callable[[], OutputParser] | None = None,
-        completion_id: str | None = None,
         splits_reasoning: bool = False,
         images: tuple[ImageInput, ...] = (),
     ) -> CompletionRenderer:
         """Submit the request (with its prompt's `images`); `accounting`, given the completion id, makes its
         accounting."""
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
         renderer = cls(
             kind=kind,
             model=model,
@@ -152,7 +150,7 @@ class CompletionRenderer:
             include_usage=include_usage,
             channel=StreamChannel(asyncio.get_running_loop(), num_choices=params.n),
             token_bytes=engine.token_bytes,
-            completion_id=completion_id or f"{prefix}-{uuid.uuid4().hex}",
+            completion_id=completion_id,
             parser=parser,
             splits_reasoning=splits_reasoning,
         )

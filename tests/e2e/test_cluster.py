@@ -1,18 +1,21 @@
-"""Sluice on Ray Serve (`sluice cluster`): a local Ray cluster of 2 engine replicas of a tiny random Llama,
-started once for this module, against one plain server of the same model and flags."""
+"""Sluice on Ray Serve (`sluice cluster`): a local Ray cluster of 2 ingress replicas over 2 engine replicas of a
+tiny random Llama, started once for this module, against one plain server of the same model and flags. The
+last two tests take replicas away (a kill, then a scale-down): they run last, on the same cluster."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 
 from app import server_process
-from app.sse_reader import parse_events, read_events
+from app.sse_reader import Event, iter_events, parse_events, read_events
 from tests.conftest import CACHE_DIR
 from tests.e2e.conftest import serve
 
@@ -20,12 +23,14 @@ pytest.importorskip("ray.serve", reason="the cluster needs the `ray` extra")
 pytestmark = pytest.mark.slow
 
 FLAGS = ("--max-model-len", "1024", "--kv-cache-gib", "0.05", "--max-num-seqs", "8")
+CLUSTER_FLAGS = ("--replicas", "2", "--replica-cpus", "0.5", "--ingress-replicas", "2", "--shutdown-timeout", "60")
+BLOCK_SIZE = 16  # the default --block-size, which the router hashes prompts by
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path) -> Iterator[str]:
-    """`sluice cluster --replicas 2`: Ray's start-up and two replicas take a minute or two on 2 cores."""
-    flags = ["--device", "cpu", "--model", str(tiny_model_path), *FLAGS, "--replicas", "2", "--replica-cpus", "0.5"]
+    """`sluice cluster`: Ray's start-up and the replicas take a minute or two on 2 cores."""
+    flags = ["--device", "cpu", "--model", str(tiny_model_path), *FLAGS, *CLUSTER_FLAGS]
     proc, base = server_process.start(
         flags, entry=("-m", "app", "cluster"), env={"SLUICE_CACHE_DIR": str(CACHE_DIR)}, timeout=600
     )
@@ -40,20 +45,30 @@ def single(tiny_model_path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def replica_loads(cluster):
-    """What the replicas report to the router, read through a handle from this process as a Ray driver: one
-    replica's figures per call, whichever the router picks."""
+def ray_driver(cluster) -> Iterator[None]:
+    """This process as a driver of the cluster's Ray, to take replicas away as an operator or a fault does."""
     import ray
-    from ray import serve
 
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-    handle = serve.get_deployment_handle("EngineReplica", "sluice")
-    yield lambda: [handle.record_routing_stats.remote().result() for _ in range(8)]
+    yield
     ray.shutdown()
 
 
 def model(base: str) -> str:
     return httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+
+
+def health(base: str) -> dict:
+    return httpx.get(f"{base}/health", timeout=10).json()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until `condition` held, polled every 0.1 s."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"{what}: not within {timeout:g} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
 
 
 def test_the_openai_sdk_streams_through_the_cluster(cluster):
@@ -95,6 +110,7 @@ def conversations(base: str) -> list[list[tuple[int, int]]]:
 
 
 def test_a_conversation_finds_its_prefix_cached_as_on_one_replica(cluster, single):
+    """Whichever ingress replica each turn reaches: their routers agree on the replica of a new prefix."""
     on_one = conversations(single)
     assert all(cached > 0 for turns in on_one for _, cached in turns[1:])
     assert conversations(cluster) == on_one
@@ -138,29 +154,199 @@ def test_a_stream_resumes_through_the_cluster(cluster):
     assert text == expected
 
 
+def by_ingress(make: Callable[[], str]) -> dict[str, str]:
+    """An id made by each ingress replica (the one that made an id is the tag it ends with)."""
+    made: dict[str, str] = {}
+    for _ in range(30):
+        made_id = make()
+        made.setdefault(made_id.rpartition(".")[2], made_id)
+        if len(made) == 2:
+            return made
+    raise AssertionError(f"every id came from one ingress replica: {made}")
+
+
+def test_ids_reach_the_ingress_replica_holding_them_from_either(cluster):
+    """Each request below reaches either ingress replica (the Serve proxy picks one at random), so about half
+    of them are forwarded to the other, the one holding the id: every one must find what it addresses."""
+
+    stored: list[str] = []
+
+    def stored_response() -> str:
+        body = {"input": "Remember the number seven.", "max_output_tokens": 4}
+        stored.append(httpx.post(f"{cluster}/v1/responses", json=body, timeout=60).json()["id"])
+        return stored[-1]
+
+    def finished_stream() -> str:
+        body = {"prompt": "Once upon a time", "max_tokens": 4, "stream": True, "resumable": True}
+        with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
+            return read_events(response)[0].json()["id"]
+
+    for tag, response_id in by_ingress(stored_response).items():
+        for _ in range(8):
+            got = httpx.get(f"{cluster}/v1/responses/{response_id}", timeout=30)
+            assert got.status_code == 200 and got.json()["id"] == response_id
+        body = {"input": "Which number?", "max_output_tokens": 4, "previous_response_id": response_id}
+        for _ in range(2):
+            follow_up = httpx.post(f"{cluster}/v1/responses", json=body, timeout=60).json()
+            # Made where its predecessor is held, and computed where its KV is pinned.
+            assert follow_up["id"].endswith(f".{tag}")
+            assert follow_up["usage"]["input_tokens_details"]["cached_tokens"] > 0
+            assert httpx.delete(f"{cluster}/v1/responses/{follow_up['id']}").status_code == 200
+    for response_id in stored:
+        assert httpx.delete(f"{cluster}/v1/responses/{response_id}").status_code == 200
+        assert httpx.get(f"{cluster}/v1/responses/{response_id}").status_code == 404
+    for completion_id in by_ingress(finished_stream).values():
+        for _ in range(4):
+            with httpx.stream("GET", f"{cluster}/v1/streams/{completion_id}", timeout=30) as response:
+                assert response.status_code == 200
+                events = read_events(response)
+            assert events[0].json()["id"] == completion_id and events[-1].data == "[DONE]"
+        assert httpx.delete(f"{cluster}/v1/streams/{completion_id}").status_code == 200
+        assert httpx.get(f"{cluster}/v1/streams/{completion_id}").status_code == 404
+    # An id whose ingress replica is gone.
+    for gone in (
+        httpx.get(f"{cluster}/v1/streams/cmpl-{uuid.uuid4().hex}.gone"),
+        httpx.post(f"{cluster}/v1/responses", json={"input": "Hi", "previous_response_id": "resp_1.gone"}),
+    ):
+        assert gone.status_code == 410
+        assert gone.json()["error"]["code"] == "replica_gone"
+
+
 def test_delete_cancels_a_stream_through_the_cluster(cluster):
     body = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        head = [next(lines) for _ in range(3)]
-        completion_id = json.loads(head[1].removeprefix("data: "))["id"]
-        deleted = httpx.delete(f"{cluster}/v1/streams/{completion_id}")
-        assert deleted.status_code == 200
-        events = parse_events([*head, *lines])
-    assert events[-1].data == "[DONE]"
-    assert events[-2].json()["error"]["code"] == "cancelled"
-    assert len(events) < 900
-    assert httpx.get(f"{cluster}/health").json()["num_running"] == 0
+    for _ in range(2):  # each DELETE may reach the other ingress replica
+        with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            head = [next(lines) for _ in range(3)]
+            completion_id = json.loads(head[1].removeprefix("data: "))["id"]
+            deleted = httpx.delete(f"{cluster}/v1/streams/{completion_id}")
+            assert deleted.status_code == 200
+            events = parse_events([*head, *lines])
+        assert events[-1].data == "[DONE]"
+        assert events[-2].json()["error"]["code"] == "cancelled"
+        assert len(events) < 900
 
 
-def test_a_client_gone_cancels_on_its_replica(cluster, replica_loads):
+def test_a_client_gone_cancels_on_its_replica(cluster):
     body = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         [next(lines) for _ in range(3)]
-        assert any(load["num_requests"] == 1 and load["kv_used"] > 0 for load in replica_loads())
-    deadline = time.monotonic() + 15
-    while any(load["num_requests"] or load["kv_used"] for load in replica_loads()):
-        assert time.monotonic() < deadline, "the replica still holds the request"
-        time.sleep(0.2)
-    assert httpx.get(f"{cluster}/health").json()["num_running"] == 0
+        wait_for(lambda: health(cluster)["num_running"] == 1, 10, "a replica reports the request")
+        assert health(cluster)["kv_blocks_used"] > health(cluster)["kv_blocks_pinned"]
+    # The replicas publish their figures every second; blocks pinned for stored responses are not the request's.
+    wait_for(
+        lambda: (h := health(cluster))["num_running"] == 0 and h["kv_blocks_used"] == h["kv_blocks_pinned"],
+        15,
+        "the replica drops the request and frees its KV",
+    )
+
+
+def test_health_and_metrics_show_each_replica_and_the_routing(cluster):
+    body = health(cluster)
+    assert body["status"] == "ok" and body["num_replicas"] == 2
+    replicas = body["replicas"]
+    assert len(replicas) == 2 and all(r["alive"] and r["kv_blocks_total"] > 0 for r in replicas.values())
+    # The conversations above found their prefixes on their replicas.
+    assert body["prefix_cache_hit_tokens"] == sum(r["prefix_cache_hit_tokens"] for r in replicas.values()) > 0
+    metrics = httpx.get(f"{cluster}/metrics").text
+    for replica in replicas:
+        assert f'sluice:num_requests_running{{model_name="{model(cluster)}",replica="{replica}"}}' in metrics
+        assert f'sluice:prefix_cache_hits_total{{model_name="{model(cluster)}",replica="{replica}"}}' in metrics
+    # Each ingress replica counts its own decisions; either routed turns of the conversations above.
+    decisions = {
+        line.split('decision="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sluice:routing_decisions_total{")
+    }
+    assert decisions.get("affinity", 0) > 0 and decisions.get("home", 0) > 0
+
+
+def homed_prompt(tiny_tokenizer, replica: str, replicas: list[str]) -> str:
+    """A prompt no replica has seen whose first block's home is `replica`: where the router sends it."""
+    from app.cluster.router import block_hashes, home_of
+    from app.serving.prompting import text_prompt_ids
+
+    while True:
+        prompt = f"{uuid.uuid4().hex} once upon a time there was a story of many words and more words"
+        if home_of(block_hashes(text_prompt_ids(tiny_tokenizer, prompt), BLOCK_SIZE)[0], replicas) == replica:
+            return prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def long_stream(base: str, prompt: str, events: list[Event], ended: dict[str, float]) -> threading.Thread:
+    """A resumable 900-token stream, read on a thread into `events`; `ended["at"]` its end's monotonic time."""
+
+    def read() -> None:
+        body = {"prompt": prompt, "max_tokens": 900, "ignore_eos": True, "stream": True, "resumable": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+            events.extend(iter_events(response.iter_lines()))
+        ended["at"] = time.monotonic()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread
+
+
+def test_a_killed_replica_ends_its_streams_and_ray_replaces_it(cluster, ray_driver, tiny_tokenizer):
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    replicas = sorted(health(cluster)["replicas"])
+    victim = replicas[0]
+    events: list[Event] = []
+    ended: dict[str, float] = {}
+    reader = long_stream(cluster, homed_prompt(tiny_tokenizer, victim, replicas), events, ended)
+    wait_for(lambda: len(events) >= 2, 30, "the stream's first events")
+    name = ReplicaID(victim, DeploymentID(name="EngineReplica", app_name="sluice")).to_full_id_str()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    killed = time.monotonic()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the stream hangs"
+    assert ended["at"] - killed < 10
+    assert events[-1].data == "[DONE]"
+    assert "replica" in events[-2].json()["error"]["message"], events[-2].data
+    # Meanwhile new requests go to the other replica.
+    answered = httpx.post(f"{cluster}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+    assert answered.status_code == 200
+    # The stream's log outlived its replica: a resume replays it to its error and [DONE], no hang.
+    completion_id = events[0].json()["id"]
+    with httpx.stream("GET", f"{cluster}/v1/streams/{completion_id}", timeout=30) as response:
+        assert response.status_code == 200
+        assert [e.data for e in read_events(response)] == [e.data for e in events]
+    wait_for(lambda: (h := health(cluster))["num_replicas"] == 2 and victim not in h["replicas"], 180, "a new replica")
+
+
+def test_a_replica_scaled_down_drains_its_streams(cluster, ray_driver, tiny_tokenizer):
+    """Taken away (as autoscaling or an operator's external scaler does), a replica is sent nothing new and its
+    stream runs to its end, [DONE] and all, within --shutdown-timeout."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    replicas = sorted(health(cluster)["replicas"])
+    streams = [([], {}) for _ in replicas]
+    readers = [
+        long_stream(cluster, homed_prompt(tiny_tokenizer, replica, replicas), events, ended)
+        for replica, (events, ended) in zip(replicas, streams)
+    ]
+    wait_for(lambda: all(len(events) >= 2 for events, _ in streams), 30, "both streams' first events")
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    ray.get(controller.update_deployment_replicas.remote(DeploymentID(name="EngineReplica", app_name="sluice"), 1))
+    wait_for(lambda: health(cluster)["num_replicas"] == 1, 30, "the replica leaves the serving set")
+    assert not any(ended for _, ended in streams), "both streams had to be running when the replica left"
+    answered = httpx.post(f"{cluster}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+    assert answered.status_code == 200
+    for reader in readers:
+        reader.join(timeout=90)
+        assert not reader.is_alive()
+    for events, _ in streams:
+        assert events[-1].data == "[DONE]"
+        last = events[-2].json()
+        assert last["choices"][0]["finish_reason"] == "length" and last["timings"]["predicted_n"] == 900

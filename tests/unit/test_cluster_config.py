@@ -1,0 +1,74 @@
+"""The cluster's application as its configs build it (deploy/ray/serve.yaml, deploy/kuberay.yaml, `sluice cluster`
+flags), and the router's home of a prefix: without starting Ray (tests/e2e/test_cluster.py runs a cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve", reason="the cluster needs the `ray` extra")
+
+from pydantic import ValidationError  # noqa: E402
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
+
+from app.cluster.router import block_hashes, home_of  # noqa: E402
+from app.cluster.serve import INGRESS, REPLICA, ClusterSettings, app_builder, build_app  # noqa: E402
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def serve_configs() -> list[ServeDeploySchema]:
+    kuberay = yaml.safe_load((DEPLOY / "kuberay.yaml").read_text())
+    return [
+        ServeDeploySchema(**yaml.safe_load((DEPLOY / "ray" / "serve.yaml").read_text())),
+        ServeDeploySchema(**yaml.safe_load(kuberay["spec"]["serveConfigV2"])),
+    ]
+
+
+@pytest.mark.parametrize("config", serve_configs(), ids=["serve.yaml", "kuberay.yaml"])
+def test_the_deploy_configs_build_the_application_their_args_describe(config):
+    (application,) = config.applications
+    assert application.import_path == "app.cluster.serve:app_builder"
+    args = application.args
+    ingress = app_builder(args)._bound_deployment
+    replica = ingress.init_args[1]._bound_deployment
+    assert (ingress.name, replica.name) == (INGRESS, REPLICA)
+    assert ingress.num_replicas == args["ingress_replicas"]
+    assert ingress._deployment_config.request_router_config.request_router_class.endswith("IngressRouter")
+    scaling = replica._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (
+        args["min_replicas"],
+        args["replicas"],
+        args["max_replicas"],
+    )
+    assert scaling.target_ongoing_requests == args["target_ongoing_requests"]
+    assert replica._deployment_config.graceful_shutdown_timeout_s == args["shutdown_timeout"]
+    assert replica.ray_actor_options["num_gpus"] == 1
+
+
+def test_fixed_replicas_without_autoscaling_and_bounds_checked():
+    replica = build_app(ClusterSettings(replicas=3))._bound_deployment.init_args[1]._bound_deployment
+    assert replica.num_replicas == 3 and replica._deployment_config.autoscaling_config is None
+    with pytest.raises(ValidationError, match="between --min-replicas 1 and --max-replicas 2"):
+        ClusterSettings(replicas=3, max_replicas=2)
+
+
+def test_a_prefix_home_is_the_same_everywhere_and_only_a_leaving_replica_s_move():
+    replicas = ["aaaa1111", "bbbb2222", "cccc3333"]
+    firsts = [block_hashes(list(range(n, n + 16)), 16)[0] for n in range(200)]
+    homes = {first: home_of(first, replicas) for first in firsts}
+    assert homes == {first: home_of(first, list(reversed(replicas))) for first in firsts}
+    assert all(list(homes.values()).count(replica) > 40 for replica in replicas)
+    remaining = replicas[1:]
+    for first, home in homes.items():
+        if home != replicas[0]:
+            assert home_of(first, remaining) == home
+
+
+def test_block_hashes_chain_over_whole_blocks_only():
+    assert block_hashes(list(range(15)), 16) == []
+    two = block_hashes(list(range(40)), 16)
+    assert len(two) == 2 and block_hashes(list(range(32)), 16) == two
+    assert block_hashes([99, *range(1, 40)], 16)[1] != two[1]  # the second block's hash covers the first
