@@ -37,7 +37,13 @@ from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  #
 from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
-from engine.model.families import ModelFolderError, family_for, vision_family_for, vision_of  # noqa: E402
+from engine.model.families import (  # noqa: E402
+    SUPPORTED_MODEL_TYPES,
+    ModelFolderError,
+    family_for,
+    vision_family_for,
+    vision_of,
+)
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.layers import Fusions  # noqa: E402
 from engine.model.moe import ExpertLinears, ExpertMatrices, router_of, sparse_blocks  # noqa: E402
@@ -181,14 +187,22 @@ def load_model(
     int4_tokens = resolve_int4_max_tokens(int4_max_tokens, model is None, torch_device, batch_invariant)
     # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
     load_dtype = torch.float32 if int4_tokens else torch_dtype
-    vision = model is not None and vision_family_for(AutoConfig.from_pretrained(path).model_type) is not None
+    config = AutoConfig.from_pretrained(path)
+    vision = model is not None and vision_family_for(config.model_type) is not None
     processor = AutoProcessor.from_pretrained(path) if vision else None
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = processor.chat_template
     auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    hf_model, loading = auto_model.from_pretrained(
-        path, dtype=load_dtype, output_loading_info=True, **_dequantizing(path, name, load_dtype)
-    )
+    extra = _dequantizing(path, name, load_dtype)
+    if model is not None and not vision and serves_text_part(config.to_dict()):
+        logger.info(
+            "%s: a %s checkpoint's language model (%s) is served, its images are not (its vision tower is not loaded)",
+            name,
+            config.model_type,
+            config.text_config.model_type,
+        )
+        extra.update(config=config.text_config, key_mapping=_LANGUAGE_MODEL_KEYS)
+    hf_model, loading = auto_model.from_pretrained(path, dtype=load_dtype, output_loading_info=True, **extra)
     if loading["missing_keys"]:
         # transformers would fill them with random values and only log it.
         missing = sorted(loading["missing_keys"])
@@ -286,6 +300,26 @@ def load_served_model(model: str | None, cache_dir: Path) -> ServedModel:
     )
 
 
+# Where a vision-language checkpoint keeps its language model's weights (transformers 4's layout, which 5 still
+# writes, and 5's), and where a text model of its decoder's type has them.
+_LANGUAGE_MODEL_KEYS = {
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+    r"^model\.language_model\.": "model.",
+}
+
+
+def serves_text_part(config: dict) -> bool:
+    """Whether a config is a vision-language model's whose images no vision family serves but whose language
+    model (`text_config`) a family does (gemma3's gemma3_text): that language model is served alone."""
+    text_config = config.get("text_config")
+    return (
+        vision_family_for(config.get("model_type", "")) is None
+        and isinstance(text_config, dict)
+        and text_config.get("model_type") in SUPPORTED_MODEL_TYPES
+    )
+
+
 # The weights files transformers reads, each alone or as the index of its shards.
 _WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -301,6 +335,9 @@ def check_model_folder(path: Path) -> None:
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelFolderError(f"{config_file} has no 'model_type'")
     model_type = config["model_type"]
+    if serves_text_part(config):
+        # Gemma 3's text_config leaves out what its class's defaults give (its vocabulary, its heads).
+        return _check_weights(path)
     if vision_family_for(model_type) is not None:
         # A vision-language model: its decoder's fields are in text_config (transformers fills in the rest).
         config = config.get("text_config") or {}
