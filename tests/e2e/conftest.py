@@ -153,6 +153,15 @@ def tiny_server(tiny_model_path) -> str:
     return _SHARED.get("tiny_server", *flags, "--kv-cache-gib", "0.05")
 
 
+@pytest.fixture(scope="session")
+def vision_server(tmp_path_factory, default_tokenizer) -> str:
+    """A tiny random LLaVA (engine/tiny_vision.py) behind a real server: what takes images end to end."""
+    from engine.tiny_vision import tiny_vision_folder
+
+    folder = tiny_vision_folder("llava", default_tokenizer, tmp_path_factory.mktemp("tiny-llava"))
+    return _SHARED.get("vision_server", "--model", str(folder), "--kv-cache-gib", "0.05")
+
+
 # The conversation the thinking model is made to end its reasoning in (see thinking_model_path).
 THINKING_MESSAGES = [{"role": "user", "content": "Is 17 a prime number?"}]
 

@@ -138,3 +138,71 @@ def test_the_page_asks_for_an_api_key_when_the_server_needs_one(browser, door):
     WebDriverWait(browser, 120).until(lambda d: idle(d) and answers(d))
     assert answers(browser)[-1]
     browser.execute_script("localStorage.clear()")
+
+
+def picture_file(tmp_path, seed: int) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    path = tmp_path / f"picture-{seed}.png"
+    Image.fromarray((np.random.RandomState(seed).rand(30, 40, 3) * 255).astype("uint8")).save(path)
+    return path
+
+
+def paste_image(driver, path: Path) -> None:
+    """What pasting a copied image does: a paste event on the prompt whose clipboard holds a PNG file."""
+    import base64
+
+    data = base64.b64encode(path.read_bytes()).decode()
+    driver.execute_script(
+        """
+        const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        const clipboard = new DataTransfer();
+        clipboard.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+        document.getElementById("prompt").dispatchEvent(
+            new ClipboardEvent("paste", { clipboardData: clipboard, bubbles: true, cancelable: true }));
+        """,
+        data,
+    )
+
+
+def attached_images(driver):
+    return driver.find_elements(By.CSS_SELECTOR, "#attachments img")
+
+
+def test_an_image_attached_and_pasted_goes_with_the_message_and_shows_in_the_conversation(
+    browser, vision_server, tmp_path
+):
+    browser.get(vision_server + "/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(vision_server + "/")
+    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text not in ("", "…"))
+    set_field(browser, "max-tokens", 12)
+    set_field(browser, "temperature", 0)
+    browser.find_element(By.ID, "image").send_keys(str(picture_file(tmp_path, 1)))
+    paste_image(browser, picture_file(tmp_path, 2))
+    WebDriverWait(browser, 10).until(lambda d: len(attached_images(d)) == 2)
+    ask(browser, "What is in these pictures?")
+    WebDriverWait(browser, 120).until(lambda d: idle(d) and answers(d))
+    assert not attached_images(browser)
+    shown = browser.find_elements(By.CSS_SELECTOR, ".msg.user img.image")
+    assert [img.get_attribute("src").startswith("data:image/png;base64,") for img in shown] == [True, True]
+    answer = answers(browser)[-1]
+    response_id = browser.execute_script("return JSON.parse(sessionStorage.getItem('sluice-playground')).previous")
+    stored = httpx.get(f"{vision_server}/v1/responses/{response_id}").json()
+    assert answer and answer == stored["output"][0]["content"][0]["text"]
+    # Two images' tokens (16 each on this model) are in the prompt the server counted.
+    assert stored["usage"]["input_tokens"] > 32
+    # The next turn continues the conversation, its images read again from the stored one.
+    ask(browser, "And the second one?")
+    WebDriverWait(browser, 120).until(lambda d: idle(d) and len(answers(d)) == 2)
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
+
+
+def test_an_image_sent_to_a_text_only_model_shows_the_servers_refusal(page, tmp_path):
+    page.find_element(By.ID, "image").send_keys(str(picture_file(tmp_path, 1)))
+    WebDriverWait(page, 10).until(lambda d: len(attached_images(d)) == 1)
+    ask(page, "What is this?")
+    WebDriverWait(page, 60).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.error"))
+    error = page.find_element(By.CSS_SELECTOR, ".msg.error .text").text
+    assert "input[0].content[1].image_url" in error and "takes text only" in error
