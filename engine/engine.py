@@ -61,7 +61,7 @@ class Engine:
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)
         self.inbox = Inbox()
-        self.speculation = Speculation(config, self.scheduler, self.block_manager, draft_model)
+        self.speculation = Speculation(config, self.scheduler, self.block_manager, draft_model, loaded.cpu_kernels)
         self.choices = Choices(self.token_bytes, self.grammars, self.block_manager, self.runner, self.scheduler)
         self.plain = PlainStep(
             self._forward, self.scheduler, self.sampler, self.masks, self.choices, self.speculation, config.jump_forward

@@ -64,3 +64,13 @@ def sample_on_cpu(
         tokens.data_ptr(),
     )
     return tokens
+
+
+def log_softmax_on_cpu(library: ctypes.CDLL, logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of float32 CPU `logits` [R, V] over each row (logprobs.cpp): torch's AVX2 bits on any CPU."""
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, vocab, dtype=torch.float32)
+    library.sl_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), out.data_ptr())
+    return out

@@ -24,7 +24,7 @@ import torch
 
 # Tokens per block of the two-level draw: the kernels' block, so the output head's block maxima fit it.
 from engine.kernels.invariant import BLOCK
-from engine.kernels.sampling import row_settings, sample_on_cpu
+from engine.kernels.sampling import log_softmax_on_cpu, row_settings, sample_on_cpu
 from engine.request import Request
 from engine.sampling.draws import MAX_REJECTION_ROUNDS, uniforms
 from engine.sampling.masks import RowMask
@@ -86,7 +86,7 @@ class Sampler:
         kernel found it, spares the CPU kernel its pass for each row's max."""
         # The one device → host copy of the step's tokens.
         ids = self.tokens(requests, logits, mask, block_max).tolist()
-        return SamplerOutput(ids, token_logprobs(requests, logits, ids))
+        return SamplerOutput(ids, token_logprobs(requests, logits, ids, self.kernels))
 
     def tokens(
         self,
@@ -359,15 +359,22 @@ def apply_penalties(
 
 
 def token_logprobs(
-    requests: Sequence[Request], logits: torch.Tensor, token_ids: Sequence[int]
+    requests: Sequence[Request],
+    logits: torch.Tensor,
+    token_ids: Sequence[int],
+    kernels: ctypes.CDLL | None = None,
 ) -> list[TokenLogprob | None]:
     """Log-probabilities under the model's own distribution (before penalties and temperature),
-    as OpenAI and vLLM report them."""
+    as OpenAI and vLLM report them. Given the CPU kernels, float32 CPU rows take their log-softmax, whose
+    bits do not depend on the CPU's vector width as torch's do."""
     result: list[TokenLogprob | None] = [None] * len(requests)
     rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not rows:
         return result
-    logprobs = logits[rows].log_softmax(dim=-1)
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        logprobs = log_softmax_on_cpu(kernels, logits[rows])
+    else:
+        logprobs = logits[rows].log_softmax(dim=-1)
     chosen = logprobs.gather(1, torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1))
     k = max(requests[i].params.logprobs for i in rows)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())

@@ -12,6 +12,7 @@ then follows the target distribution exactly, whatever the proposer.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -138,14 +139,18 @@ class Verified:
 
 
 def verify(
-    requests: Sequence[Request], proposals: Sequence[Proposal], logits: torch.Tensor, mask: RowMask | None = None
+    requests: Sequence[Request],
+    proposals: Sequence[Proposal],
+    logits: torch.Tensor,
+    mask: RowMask | None = None,
+    kernels: ctypes.CDLL | None = None,
 ) -> list[Verified]:
     """Accept or reject each request's proposals against the target's `logits`.
 
     `logits` holds len(proposal) + 1 rows per request, in order: the target's scores
     after the request's last token and after each proposal. `mask` holds the grammar's
     allowed tokens at each constrained position, so a rejected proposal is replaced by
-    a token the grammar allows.
+    a token the grammar allows. `kernels`: the CPU kernels, for the logprobs (token_logprobs).
     """
     rows = [r for r, p in zip(requests, proposals) for _ in range(len(p.token_ids) + 1)]
     drafts = [p.token_ids[:i] for p in proposals for i in range(len(p.token_ids) + 1)]
@@ -175,7 +180,7 @@ def verify(
             kept.append(bonus)
         num_accepted = len(kept) - 1
         used = range(first, first + len(kept))
-        logprobs = token_logprobs([rows[i] for i in used], logits[first : first + len(kept)], kept)
+        logprobs = token_logprobs([rows[i] for i in used], logits[first : first + len(kept)], kept, kernels)
         results.append(Verified(kept, [lp for lp in logprobs if lp is not None], num_accepted))
         first += len(proposal.token_ids) + 1
     return results

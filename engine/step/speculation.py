@@ -3,6 +3,7 @@ verification after the forward, and the acceptance counters."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 
@@ -29,8 +30,11 @@ class Speculation:
         scheduler: Scheduler,
         block_manager: BlockManager,
         draft_model: PagedCausalLM | None = None,
+        kernels: ctypes.CDLL | None = None,
     ) -> None:
         self.config = config
+        # The CPU kernels, for verified tokens' logprobs.
+        self.kernels = kernels
         self.scheduler = scheduler
         self.proposer: Proposer | None = None
         if config.speculative is not None and config.speculative.method == "ngram":
@@ -98,7 +102,8 @@ class Speculation:
                 [offset for p in trimmed for offset in range(len(p.token_ids) + 1)],
             )
         outputs: dict[Request, tuple[list[int], list[TokenLogprob]]] = {}
-        for request, proposal, result in zip(requests, trimmed, verify(requests, trimmed, logits[rows], mask)):
+        verified = verify(requests, trimmed, logits[rows], mask, self.kernels)
+        for request, proposal, result in zip(requests, trimmed, verified):
             request.num_draft_tokens += len(proposal.token_ids)
             request.num_accepted_tokens += result.num_accepted
             self.num_draft_tokens += len(proposal.token_ids)
