@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "invariant.h"
 #include "vector_math.h"
 
 namespace {
@@ -441,6 +442,26 @@ void unpack_panels(const uint8_t* wp, int64_t n_dim, int64_t k_dim, float* w) {
 }
 
 }  // namespace
+
+namespace sluice {
+
+void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
+                    int64_t n_dim, float* y, int64_t p_first, int64_t p_last) {
+  switch (form) {
+    case kF32: linear_panels<F32>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
+    case kBF16: linear_panels<BF16>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
+    case kQ8_0: linear_panels<Q8_0>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
+    case kQ4_1: linear_panels<Q4_1>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
+  }
+}
+
+void attend_head(const float* q, int64_t head_dim, const float* k_cache, const float* v_cache, int64_t slot_stride,
+                 const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap,
+                 float sink, float* scores, float* out) {
+  attend(q, head_dim, k_cache, v_cache, slot_stride, table, block_size, first, n, scale, softcap, sink, scores, out);
+}
+
+}  // namespace sluice
 
 extern "C" {
 

@@ -1,5 +1,5 @@
-"""Builds the kernels (invariant.cpp, moe.cpp, sampling.cpp, logprobs.cpp) once per machine with the system
-C++ compiler into one library, and loads it with ctypes; `build_shared_library` builds any other such library
+"""Builds the kernels (invariant.cpp, decoder.cpp, moe.cpp, sampling.cpp, logprobs.cpp) once per machine with
+the system C++ compiler into one library, and loads it with ctypes; `build_shared_library` builds any other such library
 the same way (app/operations/sends.cpp).
 
 A plain shared library keeps the build to a second or two (no torch headers, no ninja) and
@@ -25,8 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _FOLDER = Path(__file__).parent
-_SOURCES = (_FOLDER / "invariant.cpp", _FOLDER / "moe.cpp", _FOLDER / "sampling.cpp", _FOLDER / "logprobs.cpp")
-_HEADERS = (_FOLDER / "vector_math.h", _FOLDER / "torch_math.h")
+_SOURCES = tuple(_FOLDER / name for name in ("invariant.cpp", "decoder.cpp", "moe.cpp", "sampling.cpp", "logprobs.cpp"))
+_HEADERS = (_FOLDER / "invariant.h", _FOLDER / "vector_math.h", _FOLDER / "torch_math.h")
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build.
 _FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
@@ -147,4 +147,6 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     library.sl_sample.restype = None
     library.sl_log_softmax.argtypes = [_P, _I, _I, _I, _P]
     library.sl_log_softmax.restype = None
+    library.sl_decoder_layers.argtypes = [_P, _I, _P, _P]
+    library.sl_decoder_layers.restype = None
     return library

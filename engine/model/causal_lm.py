@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from engine.kernels.decoder import InvariantDecoder
 from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, InvariantMetadata
 from engine.model.families import family_of, vision_of
 from engine.model.layers import NO_FUSIONS, ExpertsKernel, Fusions, LayerOps, Replacement
 from engine.model.quant import Int4Weight
@@ -88,6 +89,8 @@ class PagedCausalLM:
         self._experts: dict[torch.nn.Module, ExpertsKernel] = {}
         # Kernels doing several ops' work in one launch (the GPU's), in steps that do not run on int4 copies.
         self._fusions: Fusions = NO_FUSIONS
+        # Every decoder layer in one call of the CPU kernels, where the family's layer is theirs.
+        self._decoder: InvariantDecoder | None = None
         # What each linear layer runs on: in steps of at most int4_max_tokens (the int4 copies first), and in others.
         self._small_step_linears: Mapping[torch.nn.Module, Replacement] = {}
         self._linears: Mapping[torch.nn.Module, Replacement] = {}
@@ -103,12 +106,14 @@ class PagedCausalLM:
         library: ctypes.CDLL,
         packed: dict[torch.nn.Linear, PackedLinear],
         experts: dict[torch.nn.Module, ExpertsKernel] | None = None,
+        decoder: InvariantDecoder | None = None,
     ) -> None:
         """Run these packed linear layers, mixture-of-experts blocks and the attention on the
-        batch-invariant kernels."""
+        batch-invariant kernels; `decoder`, where given, runs all the decoder layers in one call."""
         self.kernels = library
         self._packed = packed
         self._experts = experts or {}
+        self._decoder = decoder
         self._replacements_changed()
 
     def use_gpu_kernels(
@@ -143,6 +148,8 @@ class PagedCausalLM:
         draft = copy.copy(self)
         draft.layers = self.layers[:num_layers]
         draft.num_layers = num_layers
+        if self._decoder is not None:
+            draft._decoder = self._decoder.first_layers(num_layers)
         return draft
 
     @torch.inference_mode()
@@ -169,8 +176,12 @@ class PagedCausalLM:
         if image_rows is not None:
             hidden[image_rows.indices] = image_rows.embeddings.to(hidden.dtype)
         rotary = family.rotary(hidden, positions)
-        for index, layer in enumerate(self.layers):
-            hidden = family.layer(ops, index, layer, hidden, rotary)
+        decoder = None if small or not isinstance(meta, InvariantMetadata) else self._decoder
+        if decoder is not None and decoder.runs(rotary.cos, kv_cache):
+            hidden = decoder(hidden, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, meta.kernel)
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden = family.layer(ops, index, layer, hidden, rotary)
         hidden = ops.normalize(self.norm, hidden[logits_indices])
         head = self._linears.get(self.lm_head)
         if isinstance(head, PackedLinear) and head.bias is None and not family.transforms_logits:

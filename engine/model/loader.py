@@ -33,6 +33,7 @@ from transformers import (  # noqa: E402
 )
 
 from engine.detokenizer import TokenBytes  # noqa: E402
+from engine.kernels.decoder import InvariantDecoder  # noqa: E402
 from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  # noqa: E402
 from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
@@ -422,14 +423,21 @@ def use_invariant_kernels(
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
     experts = {block: _pack_experts(library, block) for block in sparse_blocks(paged.decoder_modules[0])}
-    paged.use_kernels(library, packed, experts)
+    family = paged.family
+    decoder = None
+    if family.llama_layer:
+        shape = family.attention
+        heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        decoder = InvariantDecoder.of(library, paged.layers, packed, family.windows, *heads, shape.scale)
+    paged.use_kernels(library, packed, experts, decoder)
     forms = Counter(linear.form.name for linear in packed.values())
     logger.info(
-        "batch-invariant kernels (%s) for %d linear layers (%s), %d mixture-of-experts blocks and attention",
+        "batch-invariant kernels (%s) for %d linear layers (%s), %d mixture-of-experts blocks and attention%s",
         kernel_variant(library),
         len(packed),
         ", ".join(f"{count} {form}" for form, count in sorted(forms.items())),
         len(experts),
+        "; the decoder layers in one call a step" if decoder is not None else "",
     )
 
 

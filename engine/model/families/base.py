@@ -63,6 +63,10 @@ class DecoderFamily:
     # Whether `logits` changes the head's output (the head's per-block maxima then no longer hold).
     transforms_logits: ClassVar[bool] = False
 
+    # Whether `layer` is Llama's exactly (engine/model/families/llama.py): the CPU kernels then run every
+    # layer of a step in one call (engine/kernels/decoder.py).
+    llama_layer: ClassVar[bool] = False
+
     def embed(self, embed_tokens: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         return embed_tokens(input_ids)
 

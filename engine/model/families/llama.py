@@ -12,6 +12,7 @@ from engine.model.layers import LayerOps, Rotary, gated_mlp, self_attention
 
 class Llama(DecoderFamily):
     model_types = ("llama", "mistral", "qwen2", "qwen3")
+    llama_layer = True
 
     def layer(
         self, ops: LayerOps, index: int, layer: torch.nn.Module, hidden: torch.Tensor, rotary: Rotary

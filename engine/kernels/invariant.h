@@ -1,0 +1,22 @@
+// What invariant.cpp lends the other kernels (decoder.cpp): its linear layer over a share of the output
+// columns, and its attention of one query head, each with the arithmetic of sl_linear and
+// sl_paged_attention.
+
+#pragma once
+
+#include <stdint.h>
+
+namespace sluice {
+
+// Panels [p_first, p_last) (16 output columns each) of y[M, N] = x[M, K] @ W.T, W packed by sl_pack in
+// `form`, on the calling thread; `scalar`: the portable variant.
+void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
+                    int64_t n_dim, float* y, int64_t p_first, int64_t p_last);
+
+// One query head q over keys [first, n) of its request, read through its block `table` from the layer's
+// caches (slots `slot_stride` floats apart), into out; `scores` holds at least n - first + 8 floats.
+void attend_head(const float* q, int64_t head_dim, const float* k_cache, const float* v_cache, int64_t slot_stride,
+                 const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap,
+                 float sink, float* scores, float* out);
+
+}  // namespace sluice
