@@ -62,3 +62,8 @@ class EngineStats:
     # Prompt tokens looked up in the prefix cache, and how many it held.
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
+    # A vision-language model's images: looked up in the encoder cache, found there, and the vision tower's
+    # seconds on the engine thread (the images it encoded). Zero for a text model.
+    num_image_queries: int = 0
+    num_image_hits: int = 0
+    vision_seconds: float = 0.0

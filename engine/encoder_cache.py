@@ -18,15 +18,18 @@ class EncoderCache:
         self.max_rows = max_rows
         self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._num_rows = 0
-        # Images looked up, and how many were found (the encoder cache's hit rate).
+        # Images looked up as a request starts computing their tokens, and how many were found (the hit rate).
         self.num_queries = 0
         self.num_hits = 0
 
-    def get(self, content_hash: int) -> torch.Tensor | None:
-        self.num_queries += 1
+    def get(self, content_hash: int, num_queries: int = 1) -> torch.Tensor | None:
+        """The image's embeddings, if kept. `num_queries`: how many requests this lookup serves in the hit
+        rate (0 for a request's later chunks of an image it has begun); all but the first are hits if not kept,
+        since they share the one encoding."""
         embeddings = self._entries.get(content_hash)
+        self.num_queries += num_queries
+        self.num_hits += num_queries if embeddings is not None else max(0, num_queries - 1)
         if embeddings is not None:
-            self.num_hits += 1
             self._entries.move_to_end(content_hash)
         return embeddings
 

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine.channel import StreamChannel
 from engine.config import EngineConfig, EngineStats
@@ -279,7 +280,7 @@ class Engine:
             self.output.end(request, RequestStatus.FINISHED_ERROR, message)
 
     def _snapshot(self, alive: bool) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             alive=alive,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -294,4 +295,13 @@ class Engine:
             kv_blocks_pinned=self.block_manager.num_pinned,
             num_prefix_query_tokens=self.block_manager.num_prefix_queries,
             num_prefix_hit_tokens=self.block_manager.num_prefix_hits,
+        )
+        images = self.runner.images
+        if images is None:
+            return stats
+        return replace(
+            stats,
+            num_image_queries=images.cache.num_queries,
+            num_image_hits=images.cache.num_hits,
+            vision_seconds=images.seconds,
         )

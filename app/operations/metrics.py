@@ -94,6 +94,19 @@ _ENGINE_METRICS: tuple[tuple[type[Metric], str, str, Callable[[EngineStats], flo
         "Prompt tokens found in the prefix cache.",
         lambda s: s.num_prefix_hit_tokens,
     ),
+    (
+        CounterMetricFamily,
+        "mm_cache_queries",
+        "Images looked up in the encoder cache (a vision-language model's).",
+        lambda s: s.num_image_queries,
+    ),
+    (CounterMetricFamily, "mm_cache_hits", "Images found in the encoder cache.", lambda s: s.num_image_hits),
+    (
+        CounterMetricFamily,
+        "vision_tower_seconds",
+        "Seconds the vision tower ran on the engine thread (Sluice's own).",
+        lambda s: s.vision_seconds,
+    ),
     (CounterMetricFamily, "num_preemptions", "Requests preempted to free KV blocks.", lambda s: s.num_preemptions),
     (
         CounterMetricFamily,

@@ -34,6 +34,9 @@ async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
         "prefix_cache_query_tokens": stats.num_prefix_query_tokens,
         "prefix_cache_hit_tokens": stats.num_prefix_hit_tokens,
         "prefix_cache_hit_rate": round(stats.num_prefix_hit_tokens / max(1, stats.num_prefix_query_tokens), 4),
+        "image_cache_queries": stats.num_image_queries,
+        "image_cache_hits": stats.num_image_hits,
+        "vision_seconds": round(stats.vision_seconds, 3),
     }
     if state.replicas is not None:
         # A cluster's figures above are its serving replicas' sums; each one's own follow.

@@ -3,7 +3,9 @@ on the engine thread, before the forward whose prompt chunks hold an image's tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,8 +30,9 @@ class ImageEmbedder:
     def __init__(self, vision: VisionFamily, cache: EncoderCache) -> None:
         self.vision = vision
         self.cache = cache
-        # Tower calls made, for the bench's share of a step.
+        # Tower calls made, and their seconds: the vision tower's share of the engine thread's time.
         self.num_encoded = 0
+        self.seconds = 0.0
 
     def rows(self, segments: Sequence[Segment]) -> ImageRows | None:
         """The image rows of a forward over `segments` (laid out in order), or None when it holds no image token."""
@@ -46,18 +49,22 @@ class ImageEmbedder:
             offset += count
         if not placements:
             return None
-        embeddings = self._embeddings({image.content_hash: image for _, image, _, _ in placements}.values())
+        # An image counts in the cache's hit rate where a request starts on its tokens.
+        starting = Counter(image.content_hash for _, image, row, _ in placements if row == 0)
+        embeddings = self._embeddings({image.content_hash: image for _, image, _, _ in placements}.values(), starting)
         indices = torch.cat([torch.arange(at, at + n) for at, _, _, n in placements])
         rows = torch.cat([embeddings[image.content_hash][row : row + n] for _, image, row, n in placements])
         return ImageRows(indices.to(rows.device), rows)
 
-    def _embeddings(self, images: Sequence[ImageInput]) -> dict[int, torch.Tensor]:
+    def _embeddings(self, images: Iterable[ImageInput], starting: Counter[int]) -> dict[int, torch.Tensor]:
         """Each image's embeddings, held for this step (the cache may drop them meanwhile)."""
         found = {}
         for image in images:
-            embeddings = self.cache.get(image.content_hash)
+            embeddings = self.cache.get(image.content_hash, starting[image.content_hash])
             if embeddings is None:
+                started = time.perf_counter()
                 embeddings = self.vision.encode(image.inputs)
+                self.seconds += time.perf_counter() - started
                 if embeddings.shape[0] != image.num_rows:
                     raise ValueError(f"an image has {embeddings.shape[0]} embeddings for {image.num_rows} tokens")
                 self.num_encoded += 1

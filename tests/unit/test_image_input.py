@@ -5,6 +5,7 @@ from a real HTTP server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import struct
@@ -279,3 +280,21 @@ async def test_the_openai_sdk_and_langchain_send_an_image_and_stream_the_answer(
         pieces = [piece.content async for piece in llm.astream([HumanMessage(content=question)])]
     answer = folded.choices[0].message.content
     assert answer and "".join(deltas) == answer == response.output_text == "".join(pieces)
+
+
+async def test_health_and_metrics_count_the_encoder_cache(vision_server):
+    """Two questions about one image: its tokens follow different text, so the prefix cache cannot hold them,
+    and the second finds the image's embeddings in the encoder cache."""
+    image = image_part(data_url(encoded(picture(9), "PNG")))
+    bodies = [chat_body(image, text=text, max_tokens=2, temperature=0) for text in ("What is this?", "Describe it.")]
+    async with vision_server.client() as client:
+        before = (await client.get("/health")).json()
+        for body in bodies:
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        await asyncio.sleep(0.2)  # the engine publishes its stats after each step
+        after = (await client.get("/health")).json()
+        metrics = (await client.get("/metrics")).text
+    assert after["image_cache_queries"] - before["image_cache_queries"] == 2
+    assert after["image_cache_hits"] - before["image_cache_hits"] == 1
+    assert after["vision_seconds"] > before["vision_seconds"]
+    assert "sluice:mm_cache_hits_total" in metrics and "sluice:vision_tower_seconds_total" in metrics

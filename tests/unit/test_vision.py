@@ -171,3 +171,15 @@ async def test_n_choices_share_one_encoding(folder):
     finally:
         engine.shutdown()
     assert len(choices) == 3 and len({tuple(t for t, _ in c) for c in choices}) > 1
+
+
+def test_the_encoder_cache_counts_one_query_per_request_starting_an_image():
+    from engine.encoder_cache import EncoderCache
+
+    cache = EncoderCache(max_rows=8)
+    assert cache.get(1, num_queries=2) is None  # two requests start one new image: one encoding serves both
+    cache.put(1, torch.zeros(5, 2))
+    assert cache.get(1, num_queries=0) is not None  # a later chunk of it
+    cache.put(2, torch.zeros(5, 2))  # past 8 rows: the least recently used goes
+    assert cache.get(1) is None and cache.get(2) is not None
+    assert (cache.num_queries, cache.num_hits, cache.num_rows) == (4, 2, 5)
