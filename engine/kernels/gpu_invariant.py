@@ -21,6 +21,7 @@ tensors too, which is how the tests check it on machines without a GPU.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -192,22 +193,52 @@ class InvariantLinears:
         return self.linear(x).split(self.widths, dim=-1)
 
 
+class NormForm(enum.IntEnum):
+    """How a family's RMSNorm scales the normalized row (float32 sum of squares and scale in all)."""
+
+    # Llama's (and most): the row cast back to its dtype, then times the weight.
+    LLAMA = 0
+    # gpt-oss's: times the weight in float32, cast back once.
+    FLOAT = 1
+    # Gemma's: times (1 + weight) in float32, cast back once.
+    OFFSET = 2
+
+
+# The RMSNorm classes whose arithmetic is not Llama's; any other with `variance_epsilon` is Llama's.
+NORM_FORMS = {
+    "GptOssRMSNorm": NormForm.FLOAT,
+    "GemmaRMSNorm": NormForm.OFFSET,
+    "Gemma2RMSNorm": NormForm.OFFSET,
+    "Gemma3RMSNorm": NormForm.OFFSET,
+}
+
+
 @dataclass(frozen=True)
 class InvariantRMSNorm:
-    """A Hugging Face RMSNorm (Llama's, Mistral's, Qwen's) run on the batch-invariant kernel: the same
-    arithmetic (float32 sum of squares, the scale cast back, times the weight in its dtype)."""
+    """A Hugging Face RMSNorm run on the batch-invariant kernel, with its family's arithmetic (`form`)."""
 
     weight: torch.Tensor
     eps: float
+    form: NormForm = NormForm.LLAMA
+
+    @staticmethod
+    def supports(norm: torch.nn.Module) -> bool:
+        """Whether `norm` is an RMSNorm of a known arithmetic with a weight."""
+        known = type(norm).__name__ in NORM_FORMS or hasattr(norm, "variance_epsilon")
+        return known and isinstance(getattr(norm, "weight", None), torch.nn.Parameter)
 
     @classmethod
     def of(cls, norm: torch.nn.Module) -> InvariantRMSNorm:
-        return cls(norm.weight.detach(), float(norm.variance_epsilon))
+        eps = norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+        return cls(norm.weight.detach(), float(eps), NORM_FORMS.get(type(norm).__name__, NormForm.LLAMA))
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return torch.promote_types(x.dtype, self.weight.dtype) if self.form == NormForm.LLAMA else x.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         rows = _rows(x)
-        out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, self.weight.dtype), device=x.device)
+        out = torch.empty(rows.shape, dtype=self._out_dtype(x), device=x.device)
         if rows.shape[0]:
             _rms_norm[(rows.shape[0],)](
                 rows,
@@ -217,6 +248,7 @@ class InvariantRMSNorm:
                 rows.stride(0),
                 out.stride(0),
                 self.eps,
+                FORM=self.form.value,
                 BLOCK=triton.next_power_of_2(width),
             )
         return out.view(*x.shape[:-1], width)
@@ -227,7 +259,7 @@ class InvariantRMSNorm:
         width = residual.shape[-1]
         rows, deltas = _rows(residual), _rows(delta)
         total = torch.empty(rows.shape, dtype=residual.dtype, device=residual.device)
-        out = torch.empty(rows.shape, dtype=torch.promote_types(residual.dtype, self.weight.dtype), device=rows.device)
+        out = torch.empty(rows.shape, dtype=self._out_dtype(residual), device=rows.device)
         if rows.shape[0]:
             _add_rms_norm[(rows.shape[0],)](
                 rows,
@@ -240,6 +272,7 @@ class InvariantRMSNorm:
                 deltas.stride(0),
                 out.stride(0),
                 self.eps,
+                FORM=self.form.value,
                 BLOCK=triton.next_power_of_2(width),
             )
         return total.view(residual.shape), out.view(residual.shape)
@@ -251,22 +284,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _normalize(x, w, width, eps, out_dtype: tl.constexpr):
-    """One row x (in its dtype, masked columns 0) normalized and scaled by w, as Hugging Face's RMSNorm."""
+def _normalize(x, w, width, eps, out_dtype: tl.constexpr, FORM: tl.constexpr):
+    """One row x (in its dtype, masked columns 0) normalized and scaled by w as the family's RMSNorm
+    (FORM, a NormForm) does."""
     wide = x.to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(wide * wide, 0) / width + eps)
-    normed = (wide * scale).to(x.dtype)
-    return (w.to(tl.float32) * normed.to(tl.float32)).to(out_dtype)
+    normed = wide * (1.0 / tl.sqrt(tl.sum(wide * wide, 0) / width + eps))
+    if FORM == 0:
+        normed = normed.to(x.dtype).to(tl.float32)
+        scale = w.to(tl.float32)
+    elif FORM == 1:
+        scale = w.to(tl.float32)
+    else:
+        scale = 1.0 + w.to(tl.float32)
+    return (scale * normed).to(out_dtype)
 
 
 @triton.jit
-def _rms_norm(x_ptr, w_ptr, out_ptr, width, x_row_stride, out_row_stride, eps, BLOCK: tl.constexpr):
+def _rms_norm(x_ptr, w_ptr, out_ptr, width, x_row_stride, out_row_stride, eps, FORM: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     columns = tl.arange(0, BLOCK)
     mask = columns < width
     x = tl.load(x_ptr + row * x_row_stride + columns, mask=mask, other=0.0)
     w = tl.load(w_ptr + columns, mask=mask, other=0.0)
-    out = _normalize(x, w, width, eps, out_ptr.dtype.element_ty)
+    out = _normalize(x, w, width, eps, out_ptr.dtype.element_ty, FORM)
     tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)
 
 
@@ -282,6 +322,7 @@ def _add_rms_norm(
     delta_row_stride,
     out_row_stride,
     eps,
+    FORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -292,5 +333,5 @@ def _add_rms_norm(
     total = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
     tl.store(total_ptr + row * width + columns, total, mask=mask)
     w = tl.load(w_ptr + columns, mask=mask, other=0.0)
-    out = _normalize(total, w, width, eps, out_ptr.dtype.element_ty)
+    out = _normalize(total, w, width, eps, out_ptr.dtype.element_ty, FORM)
     tl.store(out_ptr + row * out_row_stride + columns, out, mask=mask)

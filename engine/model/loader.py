@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -392,7 +393,7 @@ def use_invariant_kernels(
     `quantize` ("q8_0", "q4_1") instead quantizes every layer whose input width allows it into that form
     (the output head into Q8_0)."""
     if paged.device.type == "cuda":
-        use_gpu_invariant_kernels(paged, hf_model)
+        use_gpu_invariant_kernels(paged)
         return
     if paged.device.type != "cpu" or paged.dtype != torch.float32 or paged.head_dim % 8 or paged.head_dim > 256:
         logger.warning(
@@ -486,7 +487,7 @@ def _pack_as_shipped(
     return PackedLinear.pack(library, weight)
 
 
-def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -> None:
+def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
     """Every linear layer and RMSNorm on the GPU's Triton kernels of a fixed order; the paged attention
     kernels already compute each token on its own. Logs why not where Triton is missing."""
     if importlib.util.find_spec("triton") is None:
@@ -495,18 +496,16 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
     from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
 
     # Before the layers' own kernels: stacking makes their weights views of the stacks.
-    groups = stack_projections(paged.decoder_modules[0])
+    groups = stack_projections(paged.decoder_modules)
     linears = {
         module: InvariantLinear.of(module) for module in paged.decoder_modules if isinstance(module, torch.nn.Linear)
     }
     linears[paged.lm_head] = InvariantLinear.of(paged.lm_head, torch.float32)
     norms = {
-        module: InvariantRMSNorm.of(module)
-        for module in paged.decoder_modules
-        if hasattr(module, "variance_epsilon") and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+        module: InvariantRMSNorm.of(module) for module in paged.decoder_modules if InvariantRMSNorm.supports(module)
     }
     experts = {block: _gpu_experts(block) for block in sparse_blocks(paged.decoder_modules[0])}
-    fusions = gpu_fusions(hf_model, groups, norms)
+    fusions = gpu_fusions(paged.decoder_modules, groups, norms)
     paged.use_gpu_kernels(linears, norms, experts, fusions)
     logger.info(
         "batch-invariant GPU kernels for %d linear layers (%d stacked in %d launches), %d norms (%d adding the"
@@ -521,13 +520,13 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM, hf_model: PreTrainedModel) -
     )
 
 
-def stack_projections(hf_model: torch.nn.Module) -> dict[tuple[torch.nn.Module, ...], InvariantLinears]:
-    """Each attention block's q/k/v and each MLP's gate/up stacked into one batch-invariant layer, where
-    they are plain linear layers that can stack."""
+def stack_projections(modules: Iterable[torch.nn.Module]) -> dict[tuple[torch.nn.Module, ...], InvariantLinears]:
+    """Each attention block's q/k/v and each MLP's gate/up among `modules` stacked into one batch-invariant
+    layer, where they are plain linear layers that can stack."""
     from engine.kernels.gpu_invariant import InvariantLinears
 
     groups = {}
-    for module in hf_model.modules():
+    for module in modules:
         for names in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             linears = tuple(getattr(module, name, None) for name in names)
             if all(linear is not None for linear in linears) and InvariantLinears.fusable(linears):
@@ -536,7 +535,7 @@ def stack_projections(hf_model: torch.nn.Module) -> dict[tuple[torch.nn.Module, 
 
 
 def gpu_fusions(
-    hf_model: PreTrainedModel,
+    modules: Iterable[torch.nn.Module],
     groups: dict[tuple[torch.nn.Module, ...], InvariantLinears],
     norms: dict[torch.nn.Module, InvariantRMSNorm],
 ) -> Fusions:
@@ -548,7 +547,7 @@ def gpu_fusions(
     return Fusions(
         groups=groups,
         add_norms={module: norm.add for module, norm in norms.items()},
-        gated={module: silu_and_mul for module in hf_model.modules() if type(module).__name__ in _SILU},
+        gated={module: silu_and_mul for module in modules if type(module).__name__ in _SILU},
         rotary_and_store=rotary_and_store,
     )
 

@@ -121,14 +121,14 @@ def _on_gpu_kernels(tokenizer, model_type: str, fused: bool):
     CUDA, SiLU's is left out: the interpreter's exp is not torch's CPU one (the kernel test bounds it)."""
     hf = tiny_hf_model(model_type).to(DEVICE)
     model = PagedCausalLM(hf)
-    use_gpu_invariant_kernels(model, hf)
+    use_gpu_invariant_kernels(model)
     fusions = model._fusions if CUDA else dataclasses.replace(model._fusions, gated={})
     assert fusions.add_norms and fusions.rotary_and_store is not None
     model.use_gpu_kernels(model._packed, model._norms, model._experts, fusions if fused else NO_FUSIONS)
     return dataclasses.replace(tiny_loaded(tokenizer, model_type), model=model)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS) if CUDA else ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS) if CUDA else ["llama", "qwen3", "gemma2"])
 async def test_an_engine_on_the_fused_kernels_gives_the_unfused_tokens_and_logprobs(default_tokenizer, model_type):
     """Chunked prompts mixed with decodes; on CUDA every family, and Hugging Face's greedy tokens too."""
     prompts = [list(range(20, 60)), [5, 9, 13], [7] * 11]

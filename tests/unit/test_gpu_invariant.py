@@ -75,25 +75,40 @@ def test_every_tile_sums_over_k_in_the_same_steps():
     assert linear_config(2048, 64) != linear_config(2048, 65)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_hugging_face_s_and_a_row_is_the_same_in_any_batch(dtype):
+def _hf_norm(kind: str, width: int, eps: float):
+    """A Hugging Face RMSNorm of each arithmetic the kernel takes (its weight drawn, Gemma's about 0)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    generator = torch.Generator().manual_seed(1)
-    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm = {"llama": LlamaRMSNorm, "gpt_oss": GptOssRMSNorm, "gemma": Gemma3RMSNorm}[kind](width, eps=eps)
+    generator = torch.Generator().manual_seed(width)
     with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(576, generator=generator))
-    norm = norm.to(DEVICE, dtype)
+        norm.weight.copy_((0.0 if kind == "gemma" else 1.0) + 0.1 * torch.randn(width, generator=generator))
+    return norm
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hugging_face_s_and_a_row_is_the_same_in_any_batch(dtype, kind):
+    generator = torch.Generator().manual_seed(1)
+    norm = _hf_norm(kind, 576, 1e-5).to(DEVICE, dtype)
     x = (3 * torch.randn(NUM_ROWS, 576, generator=generator)).to(DEVICE, dtype)
+    assert InvariantRMSNorm.supports(norm)
     out = _rows_alone_and_together(InvariantRMSNorm.of(norm), x)
-    assert out.dtype == dtype
+    assert out.dtype == norm(x).dtype == dtype
     # bfloat16: torch's defaults, a rounding step apart (1/64 relative).
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(out, norm(x).detach(), **tolerance)
-    # A per-head norm (Qwen3's q_norm) takes [tokens, heads, head_dim] and normalizes each head.
-    per_head = LlamaRMSNorm(64, eps=1e-6).to(DEVICE, dtype)
+    # A per-head norm (Qwen3's and Gemma 3's q_norm) takes [tokens, heads, head_dim] and normalizes each head.
+    per_head = _hf_norm(kind, 64, 1e-6).to(DEVICE, dtype)
     heads = x[:6, :512].reshape(6, 8, 64)
     torch.testing.assert_close(InvariantRMSNorm.of(per_head)(heads), per_head(heads).detach(), **tolerance)
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        return  # Triton's interpreter truncates float32 to bfloat16 where torch rounds to nearest.
+    # With the residual added in the same launch: the sum and its norm, the unfused bits.
+    total, normed = InvariantRMSNorm.of(norm).add(x, x.flip(0))
+    assert torch.equal(total, x + x.flip(0)) and torch.equal(normed, InvariantRMSNorm.of(norm)(x + x.flip(0)))
 
 
 def test_loading_on_cuda_moves_every_linear_layer_and_norm_onto_the_kernels():
@@ -104,7 +119,7 @@ def test_loading_on_cuda_moves_every_linear_layer_and_norm_onto_the_kernels():
 
     hf = tiny_hf_model().to("cuda")
     model = PagedCausalLM(hf)
-    use_gpu_invariant_kernels(model, hf)
+    use_gpu_invariant_kernels(model)
     assert model.batch_invariant and model.kernels is None
     # Two layers of q, k, v, o, gate, up, down, and the head; two norms a layer and the final one.
     assert len(model._packed) == 2 * 7 + 1 and len(model._norms) == 2 * 2 + 1
