@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerBase, ProcessorMixin
 
 # ChatML with each image part as the family's placeholder, text parts as they are.
-_TEMPLATE = (
+TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
@@ -64,7 +64,7 @@ def _llava(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
         patch_size=7,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=_TEMPLATE.replace("PLACEHOLDER", image_token),
+        chat_template=TEMPLATE.replace("PLACEHOLDER", image_token),
     )
     return config, processor
 
@@ -78,7 +78,7 @@ def _idefics3(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]
         image_processor=Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 28}),
         tokenizer=tokenizer,
         image_seq_len=4,
-        chat_template=_TEMPLATE.replace("PLACEHOLDER", "<image>"),
+        chat_template=TEMPLATE.replace("PLACEHOLDER", "<image>"),
     )
     config = dict(
         text_config=dict(model_type="llama", vocab_size=len(tokenizer), **_TEXT),
