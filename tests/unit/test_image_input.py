@@ -298,3 +298,16 @@ async def test_health_and_metrics_count_the_encoder_cache(vision_server):
     assert after["image_cache_hits"] - before["image_cache_hits"] == 1
     assert after["vision_seconds"] > before["vision_seconds"]
     assert "sluice:mm_cache_hits_total" in metrics and "sluice:vision_tower_seconds_total" in metrics
+
+
+async def test_image_tokens_count_against_the_context(vision_server):
+    """An image is as many prompt tokens as its image tokens: they leave that much less room for the answer."""
+    image = image_part(data_url(encoded(picture(5), "PNG")))
+    async with vision_server.client() as client:
+        first = await client.post("/v1/chat/completions", json=chat_body(image, max_tokens=1, temperature=0))
+        with_image = first.json()["usage"]["prompt_tokens"]
+        without = (await client.post("/v1/chat/completions", json=chat_body(max_tokens=1))).json()["usage"]
+        room = vision_server.engine.config.max_model_len
+        over = await client.post("/v1/chat/completions", json=chat_body(image, max_tokens=room - with_image + 1))
+    assert with_image == without["prompt_tokens"] + 16  # the tiny LLaVA's 16 patches, one token each
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
