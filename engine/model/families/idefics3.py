@@ -20,11 +20,9 @@ class Idefics3(VisionFamily):
     def language(self) -> LanguagePart:
         return LanguagePart(self.hf_model.config.text_config, self.hf_model.model.text_model)
 
-    def prompt(
-        self, processor: Any, text: str, images: Sequence[Any], **options: Any
-    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+    def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
         # The processor takes a list of images per prompt.
-        return super().prompt(processor, text, [list(images)], **options)
+        return super().prompt(processor, text, [list(images)])
 
     def split(self, outputs: Mapping[str, torch.Tensor], num_rows: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         """Each image's tiles (its grid's, then the whole image's) out of the prompt's, stacked on dim 1: as

@@ -57,18 +57,14 @@ class VisionFamily:
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         return features.reshape(-1, features.shape[-1]).to(self.hf_model.dtype)
 
-    def prompt(
-        self, processor: Any, text: str, images: Sequence[Any], **options: Any
-    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+    def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt's token ids as the processor expands its image placeholders, and its images."""
-        outputs = processor(
-            text=[text], images=list(images), return_tensors="pt", return_text_replacement_offsets=True, **options
-        )
+        outputs = processor(text=[text], images=list(images), return_tensors="pt", return_text_replacement_offsets=True)
         ids: list[int] = outputs["input_ids"][0].tolist()
         runs = _runs(ids, self.image_token_id)
         # What each image's placeholder became: as many image tokens as the image has embeddings.
         replaced = [o["replacement"] for o in outputs["text_replacement_offsets"][0] if o["type"] == "image"]
-        counts = [text.count(processor.image_token) for text in replaced]
+        counts = [replacement.count(processor.image_token) for replacement in replaced]
         if sum(counts) != sum(length for _, length in runs):
             raise ValueError(
                 f"the processor wrote {sum(length for _, length in runs)} image tokens, {sum(counts)} expected"
