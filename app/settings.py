@@ -29,11 +29,13 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     """Port to listen on."""
     model: str | None = None
-    """Local Hugging Face model folder to serve; unset serves the embedded SmolLM2-135M-Instruct."""
+    """Local Hugging Face model folder to serve, or a GGUF file (converted once into the cache, through
+    transformers' GGUF reader); unset serves the embedded SmolLM2-135M-Instruct."""
     served_model_name: str | None = None
     """Name clients use in the `model` field; defaults to the model folder's name."""
     cache_dir: Path = Field(default_factory=_default_cache_dir)
-    """Where the default model's one-time GGUF → safetensors conversion and the built kernels are kept."""
+    """Where GGUF models' one-time conversion to safetensors (the default model's, a GGUF `--model`'s) and the
+    built kernels are kept."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when present, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -100,9 +100,11 @@ FAMILY_CONFIGS: dict[str, dict] = {
 _RANDOM_BIASES = frozenset({"gpt_oss"})
 
 
-def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB):
+def tiny_hf_model(
+    model_type: str = "llama", seed: int = 0, repetitive: bool = False, vocab_size: int = TINY_VOCAB, **overrides
+):
     """A 2-layer random model of the family `model_type` whose logits are peaked enough for greedy decoding
-    to be stable.
+    to be stable; `overrides` set config fields over the family's tiny configuration.
 
     `repetitive`: tied embeddings and damped layers, so it mostly repeats its last token and
     now and then switches; speculative proposals are then often accepted and often rejected.
@@ -120,7 +122,7 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, repetitive: bool = F
         tie_word_embeddings=repetitive,
     )
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[model_type]})
+    config = AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[model_type], **overrides})
     model = AutoModelForCausalLM.from_config(config).eval()
     if model_type in _RANDOM_BIASES:
         with torch.no_grad():

@@ -1,4 +1,5 @@
-"""The default model's linear layers in the GGUF blocks they ship as, for the batch-invariant CPU kernels.
+"""A GGUF model's linear layers (the default model's, or a GGUF file --model names) in the blocks they ship
+as, for the batch-invariant CPU kernels.
 
 Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
 order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
@@ -29,14 +30,22 @@ _LAYER_TENSORS = {
 
 
 def shipped_blocks(gguf: Path, hf_model: torch.nn.Module) -> dict[torch.nn.Linear, tuple[WeightForm, torch.Tensor]]:
-    """Each linear layer of `hf_model` (a Llama converted from `gguf`) whose GGUF tensor is in a form the
-    kernels read, as (form, blocks [N, K / 32 * block bytes]) in the layer's row order."""
-    tensors = {tensor.name: tensor for tensor in GGUFReader(gguf).tensors}
+    """Each linear layer of `hf_model` (converted from `gguf`) whose GGUF tensor is in a form the kernels
+    read, as (form, blocks [N, K / 32 * block bytes]) in the layer's row order; layers named otherwise than
+    Llama's (Phi-3's fused ones) are left out. The caller keeps blocks only where they widen to the
+    converted weights exactly."""
+    reader = GGUFReader(gguf)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    field = reader.fields["general.architecture"]
+    # llama.cpp interleaves q's and k's rows per rotary head for Llama's architecture (Mistral's too) alone.
+    interleaved = bytes(field.parts[field.data[0]]).decode() == "llama"
     config = hf_model.config
     names = {}
     for index, layer in enumerate(hf_model.model.layers):
         for module_name, tensor_name in _LAYER_TENSORS.items():
-            names[layer.get_submodule(module_name)] = f"blk.{index}.{tensor_name}.weight"
+            module = _submodule(layer, module_name)
+            if isinstance(module, torch.nn.Linear):
+                names[module] = f"blk.{index}.{tensor_name}.weight"
     names[hf_model.lm_head] = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     found = {}
     for module, name in names.items():
@@ -44,12 +53,19 @@ def shipped_blocks(gguf: Path, hf_model: torch.nn.Module) -> dict[torch.nn.Linea
         if tensor is None or tensor.tensor_type not in _FORMS:
             continue
         rows = np.asarray(tensor.data)
-        if name.endswith("attn_q.weight"):
+        if interleaved and name.endswith("attn_q.weight"):
             rows = _reverse_permute(rows, config.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
+        elif interleaved and name.endswith("attn_k.weight"):
             rows = _reverse_permute(rows, config.num_key_value_heads)
         found[module] = (_FORMS[tensor.tensor_type], torch.from_numpy(rows.copy()))
     return found
+
+
+def _submodule(layer: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _reverse_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:

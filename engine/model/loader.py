@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from gguf import GGMLQuantizationType, quants  # noqa: E402
+from gguf import GGMLQuantizationType, GGUFReader, quants  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
@@ -42,6 +42,7 @@ from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
     ModelFolderError,
+    UnsupportedModelError,
     family_for,
     vision_family_for,
     vision_of,
@@ -229,7 +230,7 @@ def load_model(
         raise ValueError(f"--quantize {quantize} needs the batch-invariant kernels (leave out --no-batch-invariant)")
     if batch_invariant:
         use_invariant_kernels(
-            paged, hf_model, cache_dir, default_model_gguf() if model is None else None, quantize=quantize
+            paged, hf_model, cache_dir, default_model_gguf() if model is None else _gguf_file(model), quantize=quantize
         )
         if quantize is not None and paged.kernels is None:
             raise ValueError(f"--quantize {quantize} needs the batch-invariant CPU kernels, which cannot run here")
@@ -270,9 +271,13 @@ def _dequantizing(path: Path, name: str, dtype: torch.dtype) -> dict:
 
 
 def _model_folder(model: str | None, cache_dir: Path) -> tuple[Path, str]:
-    """The folder of `model` (a local HF folder, or None for the embedded default) and its served name."""
+    """The folder of `model` (a local HF folder, a GGUF file converted once into one, or None for the
+    embedded default) and its served name."""
     if model is None:
         return convert_gguf(default_model_gguf(), cache_dir), DEFAULT_MODEL_NAME
+    if (gguf := _gguf_file(model)) is not None:
+        check_gguf(gguf)
+        return convert_gguf(gguf, cache_dir), gguf.stem
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ModelFolderError(f"{path} is not a Hugging Face model folder (no config.json)")
@@ -324,6 +329,38 @@ def serves_text_part(config: dict) -> bool:
 
 # The weights files transformers reads, each alone or as the index of its shards.
 _WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _gguf_file(model: str) -> Path | None:
+    """`model` as a GGUF file's path where it names one."""
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+# GGUF architectures whose Hugging Face model_type is another name (as transformers' GGUF reader maps them).
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+
+
+def check_gguf(path: Path) -> None:
+    """Refuses, before converting it, a GGUF file whose architecture no family serves, in one line
+    naming the file."""
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise ModelFolderError(f"{path} is not a GGUF file transformers can read: {exc}") from None
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ModelFolderError(f"{path} has no 'general.architecture'")
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    name_field = reader.fields.get("general.name")
+    name = bytes(name_field.parts[name_field.data[0]]).decode().lower() if name_field is not None else ""
+    # llama.cpp writes Mistral as llama; transformers reads a llama file named "mistral" as Mistral.
+    model_type = "mistral" if architecture == "llama" and "mistral" in name else architecture
+    model_type = _GGUF_MODEL_TYPES.get(model_type, model_type)
+    try:
+        family_for(model_type)
+    except ModelFolderError as exc:
+        raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r}: {exc}") from None
 
 
 def check_model_folder(path: Path) -> None:

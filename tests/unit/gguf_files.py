@@ -1,0 +1,104 @@
+"""Tiny GGUF files written from Hugging Face models as llama.cpp's convert script writes them, for the
+tests of GGUF loading: the architecture's metadata under llama.cpp's keys (those transformers' GGUF
+reader maps back), a small byte-level BPE tokenizer, and every tensor under its GGUF
+name, changed as llama.cpp changes it (Llama's q and k rows interleaved per rotary head, Gemma's norm
+weights stored as 1 + weight), in float32 or in GGUF's quantized blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from transformers import PreTrainedModel
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+# The byte-level alphabet: each byte's character, in byte order.
+BYTES = [bytes_to_unicode()[byte] for byte in range(256)]
+
+# A Hugging Face model_type → the GGUF architecture llama.cpp writes it as.
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+
+
+def write_gguf(
+    model: PreTrainedModel,
+    path: Path,
+    quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+) -> Path:
+    """`model` as a GGUF file at `path`: its 2D weights in `quantization`'s blocks, the rest float32."""
+    config = model.config
+    architecture = ARCHITECTURES[config.model_type]
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name(f"tiny-{config.model_type}")
+    for key, attribute in GGUF_CONFIG_MAPPING[architecture].items():
+        value = _config_value(config, attribute)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            writer.add_uint32(f"{architecture}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{architecture}.{key}", value)
+    _add_tokenizer(writer)
+    names = gguf.get_tensor_name_map(_arch_enum(architecture), config.num_hidden_layers)
+    tied = config.tie_word_embeddings
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp writes no output projection where it is the embedding matrix
+        base, suffix = hf_name.rsplit(".", 1)
+        if names.get_name(base) is None:
+            raise ValueError(f"llama.cpp's {architecture} has no tensor for {hf_name}")
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        data = tensor.detach().float().numpy()
+        if architecture == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            data = _permute(data, heads)
+        if architecture.startswith("gemma") and gguf_name.endswith("norm.weight"):
+            data = data + 1
+        if data.ndim == 2 and quantization != gguf.GGMLQuantizationType.F32 and data.shape[1] % 32 == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, quantization), raw_dtype=quantization)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _config_value(config, attribute: str | None):
+    if attribute is None:
+        return None
+    if attribute == "rope_theta":
+        return float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    return getattr(config, attribute, None)
+
+
+def _arch_enum(architecture: str) -> gguf.MODEL_ARCH:
+    return next(arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+
+
+def _permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's interleaving of each rotary head's rows (what transformers' reader undoes)."""
+    half_head = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, 2, half_head, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """A byte-level BPE tokenizer (GPT-2's kind, as Qwen's and SmolLM's are) of the 256 bytes, one merge and
+    three special tokens: small, since transformers' reader parses a vocabulary's metadata token by token."""
+    tokens = [*BYTES, "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3)
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))

@@ -1,0 +1,84 @@
+"""GGUF files of the families llama.cpp exports, written by the tests (tests/unit/gguf_files.py) from tiny
+random models: converted once through transformers' GGUF reader and served token for token as
+transformers' own model of the same file, with quantized blocks kept for the batch-invariant kernels;
+a file of an architecture no family serves is refused before it is converted."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.kernels.invariant import WeightForm
+from engine.model.families import UnsupportedModelError
+from engine.model.loader import load_model
+from engine.tiny import tiny_engine, tiny_hf_model
+from engine.types import SamplingParams
+from tests.conftest import CACHE_DIR
+from tests.unit.gguf_files import write_gguf
+from tests.unit.helpers import collect, hf_greedy_logprobs
+
+NEW_TOKENS = 16
+PROMPT = list(range(20, 60))
+
+# Config fields transformers' GGUF reader does not read take its config class's defaults (the released
+# models' values): the tiny models take those where a default would not fit them (Qwen3's head size,
+# Phi-3's padding id inside the vocabulary), and Gemma 2 ties its head as llama.cpp's Gemma 2 does.
+OVERRIDES = {"qwen3": dict(head_dim=128), "phi3": dict(vocab_size=32064), "gemma2": dict(tie_word_embeddings=True)}
+
+
+async def _served(path, quantization=gguf.GGMLQuantizationType.F32, model_type="qwen2"):
+    loaded = load_model(str(path), CACHE_DIR, device="cpu", dtype="auto", batch_invariant=True)
+    engine = tiny_engine(loaded)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0)
+        chunks = await collect(engine, PROMPT, params)
+    finally:
+        engine.shutdown()
+    return loaded, [(t, lp.logprob) for c in chunks for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+def _transformers_reading(path):
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "llama", "phi3", "qwen2", "qwen3"])
+async def test_a_gguf_is_served_as_transformers_reads_it(tmp_path, model_type):
+    model = tiny_hf_model(model_type, **OVERRIDES.get(model_type, {}))
+    path = write_gguf(model, tmp_path / f"tiny-{model_type}.gguf")
+    reference = _transformers_reading(path)
+    # The file holds the model: what transformers reads back is its weights (llama.cpp's changes undone).
+    assert reference.config.model_type == model_type
+    original = model.state_dict()
+    assert all(torch.equal(tensor, original[name]) for name, tensor in reference.state_dict().items())
+    loaded, served = await _served(path)
+    assert loaded.name == f"tiny-{model_type}" and loaded.model.batch_invariant
+    expected = hf_greedy_logprobs(reference, PROMPT, NEW_TOKENS)
+    assert [t for t, _ in served] == [t for t, _ in expected]
+    assert [lp for _, lp in served] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
+async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path):
+    model = tiny_hf_model("qwen3", **OVERRIDES["qwen3"])
+    path = write_gguf(model, tmp_path / "tiny-qwen3-q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    loaded, served = await _served(path)
+    # q/k/v/o, gate/up/down of both layers as the file's Q8_0 blocks (the head too: its input is 64 wide).
+    forms = [packed.form for packed in loaded.model._packed.values()]
+    assert forms.count(WeightForm.Q8_0) == 2 * 7 + 1
+    expected = hf_greedy_logprobs(_transformers_reading(path), PROMPT, NEW_TOKENS)
+    assert [t for t, _ in served] == [t for t, _ in expected]
+
+
+def test_a_gguf_of_an_architecture_no_family_serves_is_refused_before_converting(tmp_path):
+    path = tmp_path / "tiny-bloom.gguf"
+    writer = gguf.GGUFWriter(path, "bloom")
+    writer.add_name("tiny-bloom")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=f"{path}: GGUF architecture 'bloom'.*not supported"):
+        load_model(str(path), tmp_path / "cache", device="cpu", dtype="float32")
+    assert not (tmp_path / "cache").exists()
