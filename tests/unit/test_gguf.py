@@ -5,6 +5,8 @@ a file of an architecture no family serves is refused before it is converted."""
 
 from __future__ import annotations
 
+import shutil
+
 import gguf
 import pytest
 import torch
@@ -28,7 +30,7 @@ PROMPT = list(range(20, 60))
 OVERRIDES = {"qwen3": dict(head_dim=128), "phi3": dict(vocab_size=32064), "gemma2": dict(tie_word_embeddings=True)}
 
 
-async def _served(path, quantization=gguf.GGMLQuantizationType.F32, model_type="qwen2"):
+async def _served(path):
     loaded = load_model(str(path), CACHE_DIR, device="cpu", dtype="auto", batch_invariant=True)
     engine = tiny_engine(loaded)
     engine.start()
@@ -37,6 +39,8 @@ async def _served(path, quantization=gguf.GGMLQuantizationType.F32, model_type="
         chunks = await collect(engine, PROMPT, params)
     finally:
         engine.shutdown()
+        # The conversion went into the shared cache (beside the built kernels), keyed by this test's file.
+        shutil.rmtree(loaded.path)
     return loaded, [(t, lp.logprob) for c in chunks for t, lp in zip(c.token_ids, c.logprobs)]
 
 
