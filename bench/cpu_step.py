@@ -1,20 +1,24 @@
-"""A decode step of the default model on the CPU kernels, two ways taking turns in one process: the decoder
-layers in one native call (engine/kernels/decoder.py) against the same layers op by op in torch.
+"""A decode step of the default model on the CPU kernels, several ways taking turns in one process: the
+decoder layers in one native call (engine/kernels/decoder.py) or op by op in torch, on each variant of the
+kernels this CPU runs (engine/kernels/native.py; every variant gives the same bits).
 
-    python bench/cpu_step.py                              # 1 and 8 streams
+    python bench/cpu_step.py                              # one call against op by op, 1 and 8 streams
     python bench/cpu_step.py --streams 1 8 32 64 --rounds 10
+    python bench/cpu_step.py --variants avx512 avx2-fma   # the variants, each in one call
 
-Each stream decodes greedily from its own short chat prompt; the two ways alternate in blocks of `--steps`
-steps (which goes first alternates too), so a busy machine slows both alike. Reports the median and best
-milliseconds of a step (the forward, the head, the argmax), and the ratio of the medians.
+Each stream decodes greedily from its own short chat prompt; the ways take turns in blocks of `--steps`
+steps (the order rotating), so a busy machine slows them alike. Reports the median and best milliseconds
+of a step (the forward, the head, the argmax), and each median over the first way's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
+from engine.kernels.native import load_library, runnable_variants  # noqa: E402
+from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402
 from engine.request import Request  # noqa: E402
@@ -29,26 +35,48 @@ from engine.tiny import tiny_engine  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
 
+def ways(model: PagedCausalLM, cache_dir: Path, variants: list[str] | None) -> dict[str, Callable[[], None]]:
+    """Name → a function that sets the model up that way: each variant's kernels in one call, or (without
+    `variants`) the default variant in one call and op by op."""
+    packed, experts, decoder = dict(model._packed), dict(model._experts), model._decoder
+    if decoder is None:
+        raise SystemExit("the decoder layers do not run in one call here (no CPU kernels?)")
+
+    def on(variant_name: str, one_call: bool) -> Callable[[], None]:
+        variant = next(v for v in runnable_variants() if v.name == variant_name)
+        library = load_library(cache_dir, variant)
+        linears = {module: dataclasses.replace(linear, library=library) for module, linear in packed.items()}
+        fused = dataclasses.replace(decoder, library=library) if one_call else None
+        return lambda: model.use_kernels(library, linears, experts, fused)
+
+    if variants:
+        return {f"{name}, one call": on(name, True) for name in variants}
+    default = runnable_variants()[0].name
+    return {"one call": on(default, True), "op by op": on(default, False)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=6, help="blocks of steps per way")
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--variants", nargs="+", help="compare these variants of the kernels, each in one call")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "sluice"))
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model(None, Path(args.cache_dir), device="cpu", dtype="auto", batch_invariant=True)
     model = loaded.model
-    one_call = model._decoder
-    if one_call is None:
-        raise SystemExit("the decoder layers do not run in one call here (no CPU kernels?)")
-    tokens_needed = 64 + 2 * args.rounds * (args.steps + 1)
+    setups = ways(model, Path(args.cache_dir), args.variants)
+    names = list(setups)
+    # The prompt, then every way's blocks of steps, each after a step of warm-up.
+    tokens_needed = 64 + len(names) * args.rounds * (args.steps + 1)
     engine = tiny_engine(
         loaded, max_model_len=tokens_needed, block_size=16, num_kv_blocks=max(args.streams) * (tokens_needed // 16 + 1)
     )
     print(f"\n`python {' '.join(sys.argv)}`\n")
-    print("| streams | one call ms (best) | op by op ms (best) | op by op / one call |")
-    print("|---|---|---|---|")
+    headers = [f"{name} ms (best)" for name in names] + [f"{name} / {names[0]}" for name in names[1:]]
+    print(f"| streams | {' | '.join(headers)} |")
+    print("|---|" + "---|" * (2 * len(names) - 1))
     for streams in args.streams:
         requests = []
         for i in range(streams):
@@ -75,25 +103,22 @@ def main() -> None:
                 segments.append(Segment(request, request.num_tokens - 1, [token_id], Logits.LAST))
             next_ids = runner.run(segments).logits.argmax(-1).tolist()
 
-        times: dict[str, list[float]] = {"one call": [], "op by op": []}
-        for block in range(args.rounds * 2):
-            way = ("one call", "op by op")[(block + block // 2) % 2]
-            model._decoder = one_call if way == "one call" else None
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for block in range(args.rounds * len(names)):
+            way = names[(block + block // len(names)) % len(names)]
+            setups[way]()
             step()  # the first step after a switch warms its caches
             for _ in range(args.steps):
                 started = time.perf_counter()
                 step()
                 times[way].append(time.perf_counter() - started)
-        model._decoder = one_call
+        setups[names[0]]()
         for request in requests:
             engine.block_manager.deallocate(request)
-        fused, unfused = (statistics.median(times[way]) * 1e3 for way in ("one call", "op by op"))
-        best = {way: min(t) * 1e3 for way, t in times.items()}
-        print(
-            f"| {streams} | {fused:.2f} ({best['one call']:.2f}) | {unfused:.2f} ({best['op by op']:.2f}) "
-            f"| {unfused / fused:.2f}x |",
-            flush=True,
-        )
+        medians = {way: statistics.median(t) * 1e3 for way, t in times.items()}
+        cells = [f"{medians[way]:.2f} ({min(times[way]) * 1e3:.2f})" for way in names]
+        ratios = [f"{medians[way] / medians[names[0]]:.2f}x" for way in names[1:]]
+        print(f"| {streams} | {' | '.join(cells + ratios)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-// Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA (the avx2-fma variant of native.py), the
-// linear layer's weights held in the form they ship in (float32, bfloat16, GGUF Q8_0 or Q4_1 blocks) and
-// widened exactly to float32 in registers.
+// Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA, and with AVX-512 (the avx2-fma and avx512
+// variants of native.py: one build each), the linear layer's weights held in the form they ship in (float32,
+// bfloat16, GGUF Q8_0 or Q4_1 blocks) and widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
 // key 0, 1, ..., n-1 for attention), whatever the number of rows, their place in the
-// batch, the tile that computes them or the thread that runs the tile. BLAS libraries pick
-// kernels and reduction splits by the matrix's shape, so the same token gets different
+// batch, the tile that computes them, the thread that runs the tile or the variant's vector width. BLAS
+// libraries pick kernels and reduction splits by the matrix's shape, so the same token gets different
 // bits alone and in a batch; these kernels never do.
 //
 // Loaded with ctypes (engine/kernels/native.py); OpenMP resolves to the libgomp that
@@ -32,9 +32,45 @@ using sluice::exp256;
 using sluice::hsum;
 using sluice::row_max;
 
-constexpr int kPanel = 16;  // output columns per packed weight panel: two AVX registers
+constexpr int kPanel = 16;  // output columns per packed weight panel: one AVX-512 register, two AVX ones
 // Columns per block of sl_linear's block maxima: the sampler's block (kBlock in sampling.cpp).
 constexpr int64_t kMaxBlock = 256;
+
+// A panel's 16 float32 lanes in this build's registers, and the few operations the tiles need on them.
+#if defined(__AVX512F__)
+struct Lanes {
+  __m512 v;
+};
+inline Lanes zero_lanes() { return {_mm512_setzero_ps()}; }
+inline Lanes load_lanes(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store_lanes(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
+// acc + x * w, one rounding per lane.
+inline Lanes fma_lanes(float x, Lanes w, Lanes acc) { return {_mm512_fmadd_ps(_mm512_set1_ps(x), w.v, acc.v)}; }
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Lanes mul_lanes(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Lanes halves_to_lanes(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+#else
+struct Lanes {
+  __m256 lo, hi;
+};
+inline Lanes zero_lanes() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes load_lanes(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store_lanes(float* p, Lanes a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Lanes fma_lanes(float x, Lanes w, Lanes acc) {
+  const __m256 a = _mm256_set1_ps(x);
+  return {_mm256_fmadd_ps(a, w.lo, acc.lo), _mm256_fmadd_ps(a, w.hi, acc.hi)};
+}
+inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Lanes mul_lanes(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Lanes halves_to_lanes(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1))};
+}
+#endif
 
 // The forms a packed weight's panel holds its 16 columns in, each read one group of k at a time and
 // widened in registers to exactly the float32 values the checkpoint's own conversion gives: so a
@@ -44,8 +80,9 @@ constexpr int64_t kMaxBlock = 256;
 //   kQ8_0: per 32 k, the columns' scales d (fp16), then 32 x 16 int8; w = d * q, as GGUF's
 //          dequantizer computes it in float32.
 //   kQ4_1: per 32 k, the scales d then the offsets m (fp16), then 32 x 8 bytes, byte j holding column j
-//          in its low nibble and column j + 8 in its high one; w = (d * q) + m, two roundings, as
-//          GGUF's dequantizer computes it (not one FMA).
+//          in its low nibble and column j + 8 in its high one; w = (d * q) + m, two roundings, as GGUF's
+//          dequantizer computes it. d * q is exact in float32 (11 significant bits times 4), so one FMA
+//          rounds the same sum once: the kernels take the FMA, the scalar variant the two roundings.
 enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3 };
 
 struct F32 {
@@ -53,10 +90,7 @@ struct F32 {
   static constexpr int64_t kGroupBytes = kPanel * 4;
   struct Scales {};
   static Scales scales(const uint8_t*) { return {}; }
-  static void widen(const uint8_t* group, const Scales&, int, __m256* w) {
-    w[0] = _mm256_loadu_ps((const float*)group);
-    w[1] = _mm256_loadu_ps((const float*)group + 8);
-  }
+  static Lanes widen(const uint8_t* group, const Scales&, int) { return load_lanes((const float*)group); }
   static float scalar(const uint8_t* group, int, int c) { return ((const float*)group)[c]; }
 };
 
@@ -65,14 +99,18 @@ struct BF16 {
   static constexpr int64_t kGroupBytes = kPanel * 2;
   struct Scales {};
   static Scales scales(const uint8_t*) { return {}; }
+#if defined(__AVX512F__)
+  static Lanes widen(const uint8_t* group, const Scales&, int) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)group));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+#else
   static __m256 widen8(const uint8_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
-  static void widen(const uint8_t* group, const Scales&, int, __m256* w) {
-    w[0] = widen8(group);
-    w[1] = widen8(group + 16);
-  }
+  static Lanes widen(const uint8_t* group, const Scales&, int) { return {widen8(group), widen8(group + 16)}; }
+#endif
   static float scalar(const uint8_t* group, int, int c) {
     const uint32_t bits = (uint32_t)((const uint16_t*)group)[c] << 16;
     float w;
@@ -87,18 +125,18 @@ struct Q8_0 {
   static constexpr int kGroup = 32;
   static constexpr int64_t kGroupBytes = kPanel * 2 + kGroup * kPanel;
   struct Scales {
-    __m256 d0, d1;
+    Lanes d;
   };
-  static Scales scales(const uint8_t* group) {
-    const __m128i* d = (const __m128i*)group;
-    return {_mm256_cvtph_ps(_mm_loadu_si128(d)), _mm256_cvtph_ps(_mm_loadu_si128(d + 1))};
-  }
-  static void widen(const uint8_t* group, const Scales& s, int kk, __m256* w) {
+  static Scales scales(const uint8_t* group) { return {halves_to_lanes(group)}; }
+  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
     const uint8_t* q = group + kPanel * 2 + kk * kPanel;
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))));
-    w[0] = _mm256_mul_ps(q0, s.d0);
-    w[1] = _mm256_mul_ps(q1, s.d1);
+#if defined(__AVX512F__)
+    const Lanes values = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)))};
+#else
+    const Lanes values = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q))),
+                          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))))};
+#endif
+    return mul_lanes(values, s.d);
   }
   static float scalar(const uint8_t* group, int kk, int c) {
     const float d = half_to_float(((const uint16_t*)group)[c]);
@@ -110,20 +148,24 @@ struct Q4_1 {
   static constexpr int kGroup = 32;
   static constexpr int64_t kGroupBytes = kPanel * 4 + kGroup * kPanel / 2;
   struct Scales {
-    __m256 d0, d1, m0, m1;
+    Lanes d, m;
   };
-  static Scales scales(const uint8_t* group) {
-    const __m128i* h = (const __m128i*)group;
-    return {_mm256_cvtph_ps(_mm_loadu_si128(h)), _mm256_cvtph_ps(_mm_loadu_si128(h + 1)),
-            _mm256_cvtph_ps(_mm_loadu_si128(h + 2)), _mm256_cvtph_ps(_mm_loadu_si128(h + 3))};
-  }
-  static void widen(const uint8_t* group, const Scales& s, int kk, __m256* w) {
-    const __m256i bytes =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(group + kPanel * 4 + kk * (kPanel / 2))));
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    w[0] = _mm256_add_ps(_mm256_mul_ps(s.d0, q0), s.m0);
-    w[1] = _mm256_add_ps(_mm256_mul_ps(s.d1, q1), s.m1);
+  static Scales scales(const uint8_t* group) { return {halves_to_lanes(group), halves_to_lanes(group + kPanel * 2)}; }
+  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(group + kPanel * 4 + kk * (kPanel / 2)));
+#if defined(__AVX512F__)
+    // The 8 bytes twice, lanes 8-15 shifted down to their high nibble; a permute reads each lane's low 4 bits
+    // as the index of its value in 0.0 .. 15.0 (no mask, no conversion).
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes));
+    const __m512i shifted = _mm512_srlv_epi32(wide, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+    const Lanes values = {
+        _mm512_permutexvar_ps(shifted, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))};
+#else
+    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+    const Lanes values = {_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))),
+                          _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4))};
+#endif
+    return fma_lanes(s.d, values, s.m);
   }
   static float scalar(const uint8_t* group, int kk, int c) {
     const uint16_t* h = (const uint16_t*)group;
@@ -134,15 +176,17 @@ struct Q4_1 {
 };
 
 // Rows x (panels * 16) outputs, each a k-ordered FMA chain from zero. Every variant does the
-// same arithmetic per element; they differ only in how many elements share a pass over k.
+// same arithmetic per element; they differ only in how many elements share a pass over k. A panel's
+// weights are widened and used at once, so only the accumulators stay in registers across panels
+// (widening them all first spilled accumulators to memory, each k then waiting on a store).
 template <class F, int Rows, int Panels>
 inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t panel_stride, int64_t k_dim,
                  float* y, int64_t y_stride) {
-  __m256 acc[Rows][Panels * 2];
+  Lanes acc[Rows][Panels];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 8
-    for (int c = 0; c < Panels * 2; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int p = 0; p < Panels; ++p) acc[r][p] = zero_lanes();
   const int64_t groups = k_dim / F::kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group[Panels];
@@ -154,27 +198,29 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
     }
     for (int kk = 0; kk < F::kGroup; ++kk) {
       const int64_t k = g * F::kGroup + kk;
-      __m256 w[Panels * 2];
 #pragma GCC unroll 8
-      for (int p = 0; p < Panels; ++p) F::widen(group[p], scales[p], kk, w + 2 * p);
+      for (int p = 0; p < Panels; ++p) {
+        const Lanes w = F::widen(group[p], scales[p], kk);
 #pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) {
-        const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
-#pragma GCC unroll 8
-        for (int c = 0; c < Panels * 2; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
+        for (int r = 0; r < Rows; ++r) acc[r][p] = fma_lanes(x[r * x_stride + k], w, acc[r][p]);
       }
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 8
-    for (int c = 0; c < Panels * 2; ++c) _mm256_storeu_ps(y + r * y_stride + c * 8, acc[r][c]);
+    for (int p = 0; p < Panels; ++p) store_lanes(y + r * y_stride + p * kPanel, acc[r][p]);
 }
 
-// Twelve accumulators fill the sixteen AVX registers best: 6 rows x 1 panel, 3 x 2, 1 x 4.
+// Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2, 1 x 4; AVX-512's
+// thirty-two registers take 4 panels for any number of rows (up to 24 accumulators).
 template <int Rows>
 constexpr int panels_for() {
+#if defined(__AVX512F__)
+  return 4;
+#else
   return Rows >= 4 ? 1 : (Rows >= 2 ? 2 : 4);
+#endif
 }
 
 template <class F, int Rows>
@@ -236,13 +282,8 @@ void widen_panels(const uint8_t* wp, int64_t count, int64_t k_dim, float* out) {
     for (int64_t g = 0; g < k_dim / F::kGroup; ++g) {
       const uint8_t* group = wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes;
       const typename F::Scales scales = F::scales(group);
-      for (int kk = 0; kk < F::kGroup; ++kk) {
-        __m256 w[2];
-        F::widen(group, scales, kk, w);
-        float* dst = out + (p * k_dim + g * F::kGroup + kk) * kPanel;
-        _mm256_storeu_ps(dst, w[0]);
-        _mm256_storeu_ps(dst + 8, w[1]);
-      }
+      for (int kk = 0; kk < F::kGroup; ++kk)
+        store_lanes(out + (p * k_dim + g * F::kGroup + kk) * kPanel, F::widen(group, scales, kk));
     }
 }
 

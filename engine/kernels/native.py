@@ -28,8 +28,9 @@ _FOLDER = Path(__file__).parent
 _SOURCES = tuple(_FOLDER / name for name in ("invariant.cpp", "decoder.cpp", "moe.cpp", "sampling.cpp", "logprobs.cpp"))
 _HEADERS = (_FOLDER / "invariant.h", _FOLDER / "vector_math.h", _FOLDER / "torch_math.h")
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
-# arithmetic is the source's on every build.
-_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+# arithmetic is the source's on every build. -Bsymbolic: a library's calls between its own files stay
+# in it, so two variants loaded in one process (the tests compare them) never call into each other.
+_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-Wl,-Bsymbolic")
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -38,23 +39,50 @@ _I = ctypes.c_int64
 @dataclass(frozen=True)
 class KernelVariant:
     """One build of the kernels for one instruction set: its flags, and torch's CPU capabilities
-    (torch.backends.cpu.get_cpu_capability) it runs on. Every variant gives the same bits; a faster one
-    only goes first in _VARIANTS."""
+    (torch.backends.cpu.get_cpu_capability) it runs on. Every variant gives the same bits (each output is
+    the same chain of roundings; a variant only takes more lanes at once); a faster one goes first in
+    _VARIANTS."""
 
     name: str
     flags: tuple[str, ...]
     capabilities: tuple[str, ...]
 
 
-_VARIANTS = (KernelVariant("avx2-fma", ("-mavx2", "-mfma", "-mf16c"), ("AVX2", "AVX512", "AMX")),)
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+# torch's AVX512 capability is AVX-512 F, BW, VL and DQ; the linear kernel's tiles hold a panel in one register.
+_VARIANTS = (
+    KernelVariant("avx512", (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), ("AVX512", "AMX")),
+    KernelVariant("avx2-fma", _AVX2, ("AVX2", "AVX512", "AMX")),
+)
+
+
+def runnable_variants() -> tuple[KernelVariant, ...]:
+    """The variants this CPU runs, in _VARIANTS' order."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return tuple(v for v in _VARIANTS if capability.startswith(v.capabilities))
+
+
+def splits_512_bit_vectors(cpuinfo: str) -> bool:
+    """Whether the CPU described by /proc/cpuinfo's text runs AVX-512 on 256-bit units, two halves an
+    instruction: AMD's family 25 (Zen 4). There the avx512 build widened 4-bit weights more slowly than the
+    avx2-fma build (docs/performance.md); where the units are 512 bits wide it takes 16 lanes an instruction."""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines()[:32] if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
 
 
 def choose_variant() -> KernelVariant | None:
-    """The first variant this CPU runs, or None."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    capability = torch.backends.cpu.get_cpu_capability()
-    return next((v for v in _VARIANTS if capability.startswith(v.capabilities)), None)
+    """The variant to run here: the first this CPU runs, passing over avx512 where it splits 512-bit vectors."""
+    variants = runnable_variants()
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    if len(variants) > 1 and variants[0].name == "avx512" and splits_512_bit_vectors(cpuinfo):
+        variants = variants[1:]
+    return next(iter(variants), None)
 
 
 def kernels_supported() -> bool:
@@ -94,10 +122,10 @@ def build_shared_library(
 
 
 @functools.cache
-def load_library(cache_dir: Path) -> ctypes.CDLL | None:
-    """The compiled kernels, building them first if this machine has none yet; None (with a
-    warning saying why, once) where they cannot run or cannot be built."""
-    variant = choose_variant()
+def load_library(cache_dir: Path, variant: KernelVariant | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels (`variant`, else this CPU's fastest), building them first if this machine has none
+    yet; None (with a warning saying why, once) where they cannot run or cannot be built."""
+    variant = variant or choose_variant()
     if variant is None:
         logger.warning("Sluice's CPU kernels need an x86-64 CPU with AVX2 and FMA; using torch's")
         return None
@@ -105,10 +133,16 @@ def load_library(cache_dir: Path) -> ctypes.CDLL | None:
     target = build_shared_library(cache_dir, "Sluice's CPU kernels (using torch's)", _SOURCES, _HEADERS, flags)
     if target is None:
         return None
-    library = ctypes.CDLL(str(target))
+    library = bind(ctypes.CDLL(str(target)))
+    runnable = ", ".join(v.name for v in runnable_variants())
+    logger.info("Sluice's CPU kernels: the %s variant (this CPU runs %s)", variant.name, runnable)
+    return library
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """`library` (a build of the kernels) with its functions' argument and result types declared."""
     library.sl_variant.argtypes = []
     library.sl_variant.restype = ctypes.c_char_p
-    logger.info("Sluice's CPU kernels: the %s variant", variant.name)
     library.sl_linear.argtypes = [_I, _I, _P, _I, _I, _P, _I, _P, _P]
     library.sl_linear.restype = None
     library.sl_packed_bytes.argtypes = [_I, _I, _I]

@@ -1,0 +1,81 @@
+"""The CPU's batch-invariant linear kernel alone (sl_linear), per weight form and shape, on each variant of the
+kernels this CPU runs, and on other builds given as library files (another checkout's, say): GFMA/s.
+
+    python bench/cpu_linear.py                                     # the default model's shapes, 1 row
+    python bench/cpu_linear.py --rows 1 4 16 --library main=/path/to/invariant-....so
+    OMP_NUM_THREADS=1 python bench/cpu_linear.py                   # one core
+
+Weights are random in each form (GGUF blocks with random scales); 576x576, 1536x576 and 576x1536 fit in a
+core's L2 cache on most CPUs, the 49152x576 output head does not. The builds take turns, each timed `--trials`
+times for about 10 million multiply-adds; the best trial counts, so a busy machine's slow moments drop out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kernels.invariant import BLOCK_BYTES, PackedLinear, WeightForm  # noqa: E402
+from engine.kernels.native import bind, load_library, runnable_variants  # noqa: E402
+
+SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
+
+
+def packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
+    if form in (WeightForm.F32, WeightForm.BF16):
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+        return PackedLinear.pack(library, weight if form == WeightForm.F32 else weight.bfloat16())
+    # Blocks of fp16 scales (and offsets) over random quantized bytes.
+    generator = np.random.default_rng(0)
+    blocks = generator.integers(0, 256, (out_features, in_features // 32, BLOCK_BYTES[form]), dtype=np.uint8)
+    halves = 1 if form == WeightForm.Q8_0 else 2
+    scales = (generator.standard_normal((out_features, in_features // 32, halves)) * 0.05).astype(np.float16)
+    blocks[..., : 2 * halves] = scales.view(np.uint8)
+    weights = torch.from_numpy(blocks.reshape(out_features, -1))
+    return PackedLinear.pack_blocks(library, form, weights, out_features, in_features)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="OUTxIN:FORM")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--library", nargs="*", default=[], help="NAME=PATH: another build of the kernels")
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "sluice"))
+    args = parser.parse_args()
+    builds = {v.name: load_library(Path(args.cache_dir), v) for v in runnable_variants()}
+    for spec in args.library:
+        name, path = spec.split("=", 1)
+        builds[name] = bind(ctypes.CDLL(path))
+    print(f"\n`python {' '.join(sys.argv)}`, {torch.get_num_threads()} threads\n")
+    print(f"| shape | form | rows | {' | '.join(f'{name} GFMA/s' for name in builds)} |")
+    print("|---|---|---|" + "---|" * len(builds))
+    for spec in args.shapes:
+        shape, form_name = spec.split(":")
+        out_features, in_features = map(int, shape.split("x"))
+        form = WeightForm[form_name]
+        layers = {name: packed(library, form, out_features, in_features) for name, library in builds.items()}
+        for rows in args.rows:
+            x = torch.randn(rows, in_features)
+            calls = max(2, int(1e7 // (out_features * in_features * rows)))
+            best = dict.fromkeys(layers, float("inf"))
+            for _ in range(args.trials):
+                for name, layer in layers.items():
+                    started = time.perf_counter()
+                    for _ in range(calls):
+                        layer(x)
+                    best[name] = min(best[name], (time.perf_counter() - started) / calls)
+            rates = [f"{out_features * in_features * rows / best[name] / 1e9:.1f}" for name in layers]
+            print(f"| {shape} | {form_name} | {rows} | {' | '.join(rates)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Every variant of the CPU kernels this CPU runs (native.py: avx2-fma, avx512) gives the same bits, the linear
+kernel over each weight form and the decoder layers in one call alike; and the variant chosen at start."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.kernels.invariant import PackedLinear, WeightForm
+from engine.kernels.native import choose_variant, load_library, runnable_variants, splits_512_bit_vectors
+from engine.model.teacher_forcing import teacher_forced_logits
+from engine.tiny import tiny_engine, tiny_loaded
+from tests.conftest import CACHE_DIR
+from tests.unit.test_decoder import _random_norms
+from tests.unit.test_weight_forms import random_blocks
+
+VARIANTS = runnable_variants()
+pytestmark = pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs one variant of the kernels")
+
+
+@pytest.fixture(scope="module")
+def libraries():
+    libraries = [load_library(CACHE_DIR, variant) for variant in VARIANTS]
+    assert [library.sl_variant().decode() for library in libraries] == [v.name for v in VARIANTS]
+    return libraries
+
+
+def _packed(library, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
+    if form in (WeightForm.F32, WeightForm.BF16):
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
+        return PackedLinear.pack(library, weight if form == WeightForm.F32 else weight.bfloat16())
+    return PackedLinear.pack_blocks(
+        library, form, random_blocks(form, out_features, in_features), out_features, in_features
+    )
+
+
+@pytest.mark.parametrize("form", list(WeightForm), ids=lambda form: form.name)
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (17, 96), (1536, 160), (49152, 64)])
+def test_every_variant_gives_the_same_linear_bits(libraries, form, out_features, in_features):
+    x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(out_features))
+    first, *others = (_packed(library, form, out_features, in_features) for library in libraries)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 255):
+        expected = first(x[:rows])
+        assert all(torch.equal(other(x[:rows]), expected) for other in others), rows
+    out, maxima = first.with_block_max(x[:5])
+    for other in others:
+        assert all(map(torch.equal, other.with_block_max(x[:5]), (out, maxima)))
+        assert torch.equal(dataclasses.replace(other, scalar=True)(x[:3]), out[:3])
+
+
+def test_every_variant_gives_the_same_decoder_bits(libraries, default_tokenizer):
+    loaded = tiny_loaded(default_tokenizer, "qwen2", kernels_cache=CACHE_DIR)
+    model = loaded.model
+    _random_norms(model)
+    decoder, packed = model._decoder, dict(model._packed)
+    prompt = list(range(3, 60))
+    logits = []
+    for library in libraries:
+        linears = {module: dataclasses.replace(linear, library=library) for module, linear in packed.items()}
+        model.use_kernels(library, linears, None, dataclasses.replace(decoder, library=library))
+        logits.append(teacher_forced_logits(tiny_engine(loaded), prompt))
+    assert all(torch.equal(other, logits[0]) for other in logits[1:])
+
+
+def test_avx512_is_passed_over_where_it_runs_on_half_width_units():
+    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+    assert splits_512_bit_vectors(zen4)
+    assert not splits_512_bit_vectors(zen4.replace(": 25", ": 26"))
+    assert not splits_512_bit_vectors("vendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+    assert choose_variant() in VARIANTS
