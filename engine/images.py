@@ -54,3 +54,16 @@ class ImageInput:
                 found.append((low, row + low - run_start, high - low))
             row += length
         return found
+
+
+def image_blocks(images: tuple[ImageInput, ...]) -> tuple[tuple[int, int], ...]:
+    """The prompt ranges [start, end) whose tokens attend to each other both ways, for a model whose image
+    tokens do (Gemma 3): each run of consecutive image positions, runs that touch merged (as Hugging Face
+    groups its token_type_ids), in order."""
+    blocks: list[tuple[int, int]] = []
+    for start, length in sorted(run for image in images for run in image.runs):
+        if blocks and blocks[-1][1] == start:
+            blocks[-1] = (blocks[-1][0], start + length)
+        else:
+            blocks.append((start, start + length))
+    return tuple(blocks)

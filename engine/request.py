@@ -60,6 +60,10 @@ class Request:
     index: int = 0
     # The prompt's images, by position (a vision-language model's): their embeddings fill their tokens'.
     images: tuple[ImageInput, ...] = ()
+    # Where a model's image tokens attend to each other both ways (Gemma 3): the prompt ranges [start, end)
+    # that do (engine/images.py image_blocks). The scheduler never ends a chunk inside one, so each is
+    # computed seeing all of itself; empty for every other model.
+    image_blocks: tuple[tuple[int, int], ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

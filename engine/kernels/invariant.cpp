@@ -601,15 +601,18 @@ void sl_grouped_linear(int64_t form, int64_t scalar, const float* x, int64_t k_d
 // out[T, H, D]: query t, head h attends to the first context_lens[t] keys of the request
 // whose block table is block_tables[table_rows[t]], in the layer's cache [slots, KVH, D]; with
 // window > 0 only to the last `window` of them (positions (p - window, p] for the query at p).
+// key_ends (else null) lets a query read past itself, to key_ends[t] (an image's tokens that see their
+// whole image: Gemma 3); a window still starts from its own position, context_lens[t] - window.
 // softcap > 0 caps the scores (attend); sinks (else null) holds a logit per query head.
 void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
                         const float* k_cache, const float* v_cache, int64_t num_kv_heads,
                         const int64_t* block_tables, int64_t table_width, int64_t block_size,
-                        const int64_t* table_rows, const int64_t* context_lens, float scale, int64_t window,
-                        float softcap, const float* sinks, float* out) {
+                        const int64_t* table_rows, const int64_t* context_lens, const int64_t* key_ends,
+                        float scale, int64_t window, float softcap, const float* sinks, float* out) {
+  auto first_key = [&](int64_t t) { return window > 0 ? std::max<int64_t>(0, context_lens[t] - window) : 0; };
+  auto key_end = [&](int64_t t) { return key_ends == nullptr ? context_lens[t] : key_ends[t]; };
   int64_t longest = 0;
-  for (int64_t t = 0; t < num_tokens; ++t) longest = std::max(longest, context_lens[t]);
-  if (window > 0) longest = std::min(longest, window);
+  for (int64_t t = 0; t < num_tokens; ++t) longest = std::max(longest, key_end(t) - first_key(t));
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
 #pragma omp parallel
@@ -620,8 +623,7 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
       const int64_t t = item / num_kv_heads, kv = item % num_kv_heads;
-      const int64_t n = context_lens[t];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t n = key_end(t), first = first_key(t);
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
         const int64_t offset = (t * num_heads + h) * head_dim;
         attend(q + offset, head_dim, k_cache + kv * head_dim, v_cache + kv * head_dim, slot_stride,

@@ -127,6 +127,9 @@ class KernelAttentionMetadata:
     # [T] keys each token attends to: its own position + 1.
     context_lens: torch.Tensor
     block_size: int
+    # [T] one past the last key each token reads where some read past themselves (an image's tokens that
+    # see their whole image); None: context_lens.
+    key_ends: torch.Tensor | None = None
 
 
 def invariant_paged_attention(
@@ -140,7 +143,8 @@ def invariant_paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over the cached keys and values [slots, KVH, D] (this step's already written).
-    `window` > 0: a query at position p reads keys (p - window, p] only; `softcap` > 0: scores become
+    `window` > 0: a query at position p reads keys (p - window, p] only (up to its key end where
+    meta.key_ends gives one); `softcap` > 0: scores become
     softcap * tanh(score / softcap); `sinks` [H] float32: a logit per head that joins each softmax's
     denominator with no value."""
     q = q.contiguous()
@@ -159,6 +163,7 @@ def invariant_paged_attention(
         meta.block_size,
         meta.table_rows.data_ptr(),
         meta.context_lens.data_ptr(),
+        None if meta.key_ends is None else meta.key_ends.data_ptr(),
         scale,
         window,
         softcap,

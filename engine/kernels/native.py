@@ -170,6 +170,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
         _I,
         _P,
         _P,
+        _P,
         ctypes.c_float,
         _I,
         ctypes.c_float,

@@ -43,6 +43,7 @@ def paged_prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> None:
     """Writes out[t] for every query t of the prefill chunks; other rows of `out` are left alone.
 
@@ -50,7 +51,9 @@ def paged_prefill_attention(
     this step's keys and values. Chunk c is chunks[c] = (first token in q, tokens, tokens of its
     request cached before it) and reads its request's blocks block_tables[c]. tiles[i] = (chunk,
     first query of the chunk) lists each program's queries_per_tile() tokens. `window`, `softcap` and
-    `sinks` as in paged_decode_attention."""
+    `sinks` as in paged_decode_attention. `key_ends` [T] (else None: causal) lets query t read keys up to
+    key_ends[t] (exclusive), past its own position: an image's tokens that see their whole image, which
+    lies within the chunk; a window still starts from the query's position."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -66,6 +69,7 @@ def paged_prefill_attention(
         chunks,
         tiles,
         q if sinks is None else sinks,
+        chunks if key_ends is None else key_ends,
         scale,
         window,
         softcap,
@@ -88,6 +92,7 @@ def paged_prefill_attention(
         WINDOW=window > 0,
         SOFTCAP=softcap > 0,
         SINKS=sinks is not None,
+        KEY_ENDS=key_ends is not None,
     )
 
 
@@ -101,6 +106,7 @@ def _paged_prefill(
     chunks_ptr,
     tiles_ptr,
     sinks_ptr,
+    ends_ptr,
     scale,
     window,
     softcap,
@@ -123,6 +129,7 @@ def _paged_prefill(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KEY_ENDS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,9 +152,15 @@ def _paged_prefill(
     q = tl.load(
         q_ptr + token[:, None] * q_token_stride + head[:, None] * q_head_stride + dims[None, :], mask=qd_mask, other=0.0
     )
-    # Each query's position in its request; it attends to keys 0 .. position.
+    # Each query's position in its request; it attends to keys 0 .. position (to its key end, with KEY_ENDS).
     position = num_cached + query
     last = num_cached + tl.minimum(first_query + BLOCK_Q, chunk_len)
+    key_end = position + 1
+    if KEY_ENDS:
+        key_end = tl.load(ends_ptr + token, mask=row_mask, other=0)
+        # An image's tokens read past the tile's last query, to their image's end (within the chunk).
+        last = tl.maximum(last, tl.max(key_end, 0))
+        key_end = tl.where(row_mask, key_end, position + 1)
     offsets = tl.arange(0, BLOCK_SIZE)
     # The first key any query of the tile reads: the window's start for its first query.
     start = 0
@@ -174,7 +187,7 @@ def _paged_prefill(
         )
         # Without a window every row sees key 0 on the first page, so `best` is finite from then on;
         # with one, a later query's window may start pages later (SPARSE).
-        visible = key_position[None, :] <= position[:, None]
+        visible = key_position[None, :] < key_end[:, None]
         if WINDOW:
             visible = visible & (key_position[None, :] > position[:, None] - window)
         best, total, acc = attend_block(q, k, v, visible, best, total, acc, scale, softcap, IEEE, SOFTCAP, WINDOW)

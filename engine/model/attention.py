@@ -16,6 +16,12 @@ block table in one call (engine/kernels/invariant.py).
 
 Each of the three has its own metadata type, built once per step by its `build` from the
 step's segments and never changed after.
+
+Where a model's image tokens attend to each other both ways (Gemma 3), a step that computes an image's
+tokens gives each token the end of the keys it reads (`key_ends`, image_key_ends): one past its own
+position for text, one past its image block's last token for an image's (the scheduler keeps each block
+in one chunk, so those keys are written by the time the attention reads them). A sliding window still
+starts from the token's own position.
 """
 
 from __future__ import annotations
@@ -49,8 +55,11 @@ class PrefillChunk:
     # Cache slots of the whole context (cached tokens, then this chunk), or None when
     # nothing was cached before the chunk and the chunk's own K/V are the context.
     context_slots: torch.Tensor | None
-    # [num_tokens, context_len] causal mask shifted past the cached tokens; None with context_slots.
+    # [num_tokens, context_len] causal mask shifted past the cached tokens (keys before each token's end where
+    # key_ends is given); None for a causal chunk with nothing cached.
     mask: torch.Tensor | None
+    # [num_tokens] one past the last key each token reads, where some read past themselves (image blocks).
+    key_ends: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,8 @@ class PagedPrefill:
     # [N, 2] (chunk, first query of the chunk) of each of the kernel's tiles of queries.
     tiles: torch.Tensor
     block_size: int
+    # [T] one past the last key each token of the step reads, where image blocks read past themselves.
+    key_ends: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -128,14 +139,23 @@ class TorchMetadata:
     prefills: tuple[PrefillChunk, ...]
 
     @classmethod
-    def build(cls, segments: Sequence[Segment], slot_mapping: torch.Tensor, block_size: int) -> TorchMetadata:
+    def build(
+        cls,
+        segments: Sequence[Segment],
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        key_ends: torch.Tensor | None = None,
+    ) -> TorchMetadata:
+        """`key_ends` [T]: one past the last key each token reads, where a step's image blocks read past
+        themselves (image_key_ends); None for causal attention throughout."""
         device = slot_mapping.device
         prefills = []
         offset = 0
         for segment in segments:
             num_new = len(segment.token_ids)
             if num_new > 1:
-                prefills.append(_prefill_chunk(segment, offset, block_size, device))
+                ends = None if key_ends is None else key_ends[offset : offset + num_new]
+                prefills.append(_prefill_chunk(segment, offset, block_size, device, ends))
             offset += num_new
         decodes = [segment for segment in segments if len(segment.token_ids) == 1]
         decode_slots = decode_mask = decode_lens = None
@@ -228,7 +248,7 @@ class TorchMetadata:
             context_len = kc.shape[0]
             keys = torch.arange(context_len, device=q.device)
             queries = torch.arange(context_len - chunk.num_tokens, context_len, device=q.device).unsqueeze(1)
-            mask = keys <= queries
+            mask = keys <= queries if chunk.key_ends is None else keys < chunk.key_ends.unsqueeze(1)
             if window:
                 mask = mask & (keys > queries - window)
             qc = q[chunk.start : end].transpose(0, 1)
@@ -257,8 +277,15 @@ class TritonMetadata:
 
     @classmethod
     def build(
-        cls, kernels: GpuAttention, segments: Sequence[Segment], slot_mapping: torch.Tensor, block_size: int
+        cls,
+        kernels: GpuAttention,
+        segments: Sequence[Segment],
+        slot_mapping: torch.Tensor,
+        block_size: int,
+        key_ends: torch.Tensor | None = None,
     ) -> TritonMetadata:
+        """`key_ends` as in TorchMetadata.build: only prefill chunks read past themselves (a single-token
+        segment's image block ends at that token), so the decode kernel never takes them."""
         device = slot_mapping.device
         chunk_segments: list[Segment] = []
         chunks, tiles = array("q"), array("q")
@@ -279,6 +306,7 @@ class TritonMetadata:
                 chunks=long_tensor(chunks, device).view(-1, 3),
                 tiles=long_tensor(tiles, device).view(-1, 2),
                 block_size=block_size,
+                key_ends=key_ends,
             )
         decodes = [segment for segment in segments if len(segment.token_ids) == 1]
         decode = None
@@ -324,6 +352,7 @@ class TritonMetadata:
             window,
             softcap,
             sinks,
+            prefill.key_ends,
         )
         return out
 
@@ -372,8 +401,10 @@ class InvariantMetadata:
         positions: torch.Tensor,
         segment_rows: array,
         block_size: int,
+        key_ends: torch.Tensor | None = None,
     ) -> InvariantMetadata:
-        """`segment_rows`: each token's segment, its row of the block tables."""
+        """`segment_rows`: each token's segment, its row of the block tables; `key_ends` as in
+        TorchMetadata.build."""
         device = slot_mapping.device
         kernel = KernelAttentionMetadata(
             library=library,
@@ -381,6 +412,7 @@ class InvariantMetadata:
             table_rows=long_tensor(segment_rows, device),
             context_lens=positions + 1,
             block_size=block_size,
+            key_ends=key_ends,
         )
         return cls(slot_mapping, kernel)
 
@@ -463,16 +495,42 @@ def table_tensor(tables: list[list[int]], width: int, device: torch.device) -> t
     return long_tensor(flat_block_tables(tables, width), device).view(len(tables), width)
 
 
-def _prefill_chunk(segment: Segment, batch_start: int, block_size: int, device: torch.device) -> PrefillChunk:
+def _prefill_chunk(
+    segment: Segment, batch_start: int, block_size: int, device: torch.device, key_ends: torch.Tensor | None
+) -> PrefillChunk:
     start, num_new = segment.start, len(segment.token_ids)
-    if start == 0:
-        return PrefillChunk(batch_start, num_new, context_slots=None, mask=None)
     end = start + num_new
+    keys = torch.arange(end, device=device).unsqueeze(0)
+    if key_ends is not None:
+        mask = keys < key_ends.unsqueeze(1)
+    elif start == 0:
+        return PrefillChunk(batch_start, num_new, context_slots=None, mask=None)
+    else:
+        mask = keys <= torch.arange(start, end, device=device).unsqueeze(1)
+    if start == 0:
+        # Nothing cached before the chunk: its own k and v are the context.
+        return PrefillChunk(batch_start, num_new, context_slots=None, mask=mask, key_ends=key_ends)
     table = segment.request.block_table
     context = long_tensor([table[p // block_size] * block_size + p % block_size for p in range(end)], device)
-    query_pos = torch.arange(start, end, device=device).unsqueeze(1)
-    mask = torch.arange(end, device=device).unsqueeze(0) <= query_pos
-    return PrefillChunk(batch_start, num_new, context_slots=context, mask=mask)
+    return PrefillChunk(batch_start, num_new, context_slots=context, mask=mask, key_ends=key_ends)
+
+
+def image_key_ends(segments: Sequence[Segment], positions: array) -> array | None:
+    """One past the last key each token of the step reads (`positions`: each token's, in segment order):
+    its position + 1, or for a token of one of its request's image blocks (Request.image_blocks) the
+    block's end. None when no token of the step is in an image block (causal attention throughout)."""
+    ends: array | None = None
+    offset = 0
+    for segment in segments:
+        start, count = segment.start, len(segment.token_ids)
+        for block_start, block_end in segment.request.image_blocks:
+            low, high = max(block_start, start), min(block_end, start + count)
+            if low < high:
+                if ends is None:
+                    ends = array("q", (p + 1 for p in positions))
+                ends[offset + low - start : offset + high - start] = array("q", [block_end] * (high - low))
+        offset += count
+    return ends
 
 
 def _decode_context(

@@ -17,6 +17,7 @@ from engine.model.attention import (
     TorchMetadata,
     TritonMetadata,
     gpu_attention,
+    image_key_ends,
 )
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import DecodeGraphs, Replay
@@ -56,6 +57,9 @@ class ModelRunner:
         self.images = (
             ImageEmbedder(model.vision, EncoderCache(encoder_cache_rows)) if model.vision is not None else None
         )
+        # Whether requests' image blocks attend both ways (Request.image_blocks): each step then tells the
+        # attention how far each of their tokens reads.
+        self.whole_images = model.vision is not None and model.vision.bidirectional_images
         self.block_size = block_size
         self.device = model.device
         # The GPU's paged attention kernels, where they run (else SDPA over gathered contexts).
@@ -169,15 +173,18 @@ class ModelRunner:
             return graphs.replay(input_ids, positions, slots, tables)
         position_tensor = self._tensor(positions)
         slot_mapping = self._tensor(slots)
+        key_ends = None
+        if self.whole_images and (ends := image_key_ends(segments, positions)) is not None:
+            key_ends = self._tensor(ends)
         meta: AttentionMetadata
         if self.model.kernels is not None:
             meta = InvariantMetadata.build(
-                self.model.kernels, segments, slot_mapping, position_tensor, segment_rows, self.block_size
+                self.model.kernels, segments, slot_mapping, position_tensor, segment_rows, self.block_size, key_ends
             )
         elif self.gpu_attention is not None:
-            meta = TritonMetadata.build(self.gpu_attention, segments, slot_mapping, self.block_size)
+            meta = TritonMetadata.build(self.gpu_attention, segments, slot_mapping, self.block_size, key_ends)
         else:
-            meta = TorchMetadata.build(segments, slot_mapping, self.block_size)
+            meta = TorchMetadata.build(segments, slot_mapping, self.block_size, key_ends)
         # Prompt tokens always get the full-precision weights, so a prompt's K/V and first token
         # never depend on the prefix cache or on what else is in the step.
         computes_prompt = any(s.start < s.request.num_prompt_tokens for s in segments)

@@ -1,7 +1,7 @@
-"""The attention variants (a sliding window, soft-capped scores, sinks) on every attention backend, through
-the metadata each builds from a step's segments, against a float64 softmax: torch's SDPA path, the
-batch-invariant CPU kernel (also bit for bit the same for a request alone as in the batch), and the GPU's
-Triton kernels (in Triton's interpreter where there is no GPU)."""
+"""The attention variants (a sliding window, soft-capped scores, sinks, image blocks that attend both ways) on
+every attention backend, through the metadata each builds from a step's segments, against a float64 softmax:
+torch's SDPA path, the batch-invariant CPU kernel (also bit for bit the same for a request alone as in the
+batch), and the GPU's Triton kernels (in Triton's interpreter where there is no GPU)."""
 
 import importlib.util
 from array import array
@@ -16,6 +16,7 @@ from engine.model.attention import (
     InvariantMetadata,
     TorchMetadata,
     TritonMetadata,
+    image_key_ends,
     paged_attention,
 )
 from tests.conftest import CACHE_DIR
@@ -37,14 +38,20 @@ VARIANTS = {
 }
 
 
-def _step(generator):
+# Image blocks [start, end) of each request of SHAPES whose tokens attend to each other both ways (Gemma 3's
+# images): one inside the chunk after cached tokens, wider than the window; one in the prompt from 0, and one
+# that ended before the chunk (it reads causally now). A chunk never ends inside a block.
+IMAGE_BLOCKS = [(), (), ((10, 20), (33, 45)), ((2, 18),)]
+
+
+def _step(generator, image_blocks=False):
     """Segments of SHAPES over blocks scattered through the cache, and the step's tensors."""
     free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
     segments, slots, positions, rows = [], [], [], array("q")
     for row, (cached, num_new) in enumerate(SHAPES):
         end = cached + num_new
         table = [free.pop() for _ in range(-(-end // BLOCK_SIZE))]
-        request = SimpleNamespace(block_table=table)
+        request = SimpleNamespace(block_table=table, image_blocks=IMAGE_BLOCKS[row] if image_blocks else ())
         segments.append(SimpleNamespace(request=request, start=cached, token_ids=[0] * num_new))
         for p in range(cached, end):
             slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
@@ -54,14 +61,15 @@ def _step(generator):
 
 
 def _reference(q, k_cache, v_cache, segments, window=0, softcap=0.0, sinks=None):
-    """Each query over its request's keys in float64: scores, capped, masked to the window, softmax
-    with the sink as one more logit."""
+    """Each query over its request's keys in float64: scores, capped, masked to the window (and past itself to
+    the end of its image block), softmax with the sink as one more logit."""
     out = []
     for segment in segments:
         table = segment.request.block_table
         for p in range(segment.start, segment.start + len(segment.token_ids)):
             first = max(0, p - window + 1) if window else 0
-            slots = torch.tensor([table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(first, p + 1)])
+            end = max([p + 1] + [e for s, e in getattr(segment.request, "image_blocks", ()) if s <= p < e])
+            slots = torch.tensor([table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(first, end)])
             k = k_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
             v = v_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
             token = q[len(out)].double()
@@ -75,7 +83,7 @@ def _reference(q, k_cache, v_cache, segments, window=0, softcap=0.0, sinks=None)
     return torch.stack(out).float()
 
 
-def _triton_metadata(segments, slot_mapping, positions, rows):
+def _triton_metadata(segments, slot_mapping, positions, rows, key_ends=None):
     from engine.kernels import paged_decode, paged_prefill
 
     kernels = GpuAttention(
@@ -83,15 +91,16 @@ def _triton_metadata(segments, slot_mapping, positions, rows):
         paged_prefill.paged_prefill_attention,
         paged_prefill.queries_per_tile(HEADS // KV_HEADS),
     )
-    return TritonMetadata.build(kernels, segments, slot_mapping, BLOCK_SIZE)
+    return TritonMetadata.build(kernels, segments, slot_mapping, BLOCK_SIZE, key_ends)
 
 
-def _invariant_metadata(segments, slot_mapping, positions, rows):
-    return InvariantMetadata.build(load_library(CACHE_DIR), segments, slot_mapping, positions, rows, BLOCK_SIZE)
+def _invariant_metadata(segments, slot_mapping, positions, rows, key_ends=None):
+    library = load_library(CACHE_DIR)
+    return InvariantMetadata.build(library, segments, slot_mapping, positions, rows, BLOCK_SIZE, key_ends)
 
 
-def _torch_metadata(segments, slot_mapping, positions, rows):
-    return TorchMetadata.build(segments, slot_mapping, BLOCK_SIZE)
+def _torch_metadata(segments, slot_mapping, positions, rows, key_ends=None):
+    return TorchMetadata.build(segments, slot_mapping, BLOCK_SIZE, key_ends)
 
 
 BACKENDS = [
@@ -108,9 +117,9 @@ BACKENDS = [
 ]
 
 
-def _inputs(seed):
+def _inputs(seed, image_blocks=False):
     generator = torch.Generator().manual_seed(seed)
-    segments, slot_mapping, positions, rows = _step(generator)
+    segments, slot_mapping, positions, rows = _step(generator, image_blocks)
     num_tokens = len(positions)
     # Scores of a few units, so the cap of 1.5 bites.
     q = 3 * torch.randn(num_tokens, HEADS, HEAD_DIM, generator=generator)
@@ -160,3 +169,54 @@ def test_the_variants_off_are_plain_causal_attention():
         torch.testing.assert_close(plain, _reference(q, k_cache, v_cache, segments), rtol=1e-5, atol=1e-5)
         wide = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, window=1000)
         torch.testing.assert_close(wide, plain, rtol=1e-6, atol=1e-6)
+
+
+def _key_ends(segments, positions):
+    ends = image_key_ends(segments, array("q", positions.tolist()))
+    assert ends is not None
+    return torch.tensor(ends)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(window=WINDOW), VARIANTS["all"]], ids=["plain", "window", "all"])
+@pytest.mark.parametrize("metadata", BACKENDS)
+def test_image_blocks_attend_both_ways_on_every_backend(metadata, variant):
+    """A token of an image block reads every key of its block, past itself (a window still starts from its
+    own position); other tokens, and blocks computed before the chunk, read causally."""
+    segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=5, image_blocks=True)
+    options = {**variant, "sinks": sinks if variant.get("sinks") else None}
+    meta = metadata(segments, slot_mapping, positions, rows, _key_ends(segments, positions))
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, **options)
+    expected = _reference(q, k_cache, v_cache, segments, **options)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    text = [
+        SimpleNamespace(**{**vars(s), "request": SimpleNamespace(block_table=s.request.block_table)}) for s in segments
+    ]
+    assert not torch.allclose(out, _reference(q, k_cache, v_cache, text, **options), atol=1e-3)
+
+
+def test_the_cpu_kernel_gives_an_image_block_the_same_bits_alone_as_in_the_batch():
+    segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=9, image_blocks=True)
+    together = paged_attention(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        _invariant_metadata(segments, slot_mapping, positions, rows, _key_ends(segments, positions)),
+        SCALE,
+        window=WINDOW,
+    )
+    first = 0
+    for segment in segments:
+        tokens = slice(first, first + len(segment.token_ids))
+        ends = image_key_ends([segment], array("q", positions[tokens].tolist()))
+        alone = _invariant_metadata(
+            [segment],
+            slot_mapping[tokens],
+            positions[tokens],
+            array("q", [0] * len(segment.token_ids)),
+            None if ends is None else torch.tensor(ends),
+        )
+        out = paged_attention(q[tokens], k[tokens], v[tokens], k_cache, v_cache, alone, SCALE, window=WINDOW)
+        assert torch.equal(out, together[tokens]), segment.start
+        first = tokens.stop

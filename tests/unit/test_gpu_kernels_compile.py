@@ -58,6 +58,15 @@ def compile_every_kernel() -> list[str]:
             "_paged_prefill",
             lambda: paged_prefill.paged_prefill_attention(q, *caches, q.clone(), tables, chunks, tiles, 16, 0.1),
         )
+        # Image blocks that attend both ways (Gemma 3), under a sliding window.
+        ends = torch.ones(5, dtype=torch.long)
+        record(
+            paged_prefill,
+            "_paged_prefill",
+            lambda: paged_prefill.paged_prefill_attention(
+                q, *caches, q.clone(), tables, chunks, tiles, 16, 0.1, window=8, key_ends=ends
+            ),
+        )
         x, weight = torch.zeros(3, 128, dtype=dtype), torch.zeros(4100, 128, dtype=dtype)
         record(gpu_invariant, "_linear", lambda: gpu_invariant.invariant_linear(x, weight, torch.float32))
         norm = gpu_invariant.InvariantRMSNorm(torch.ones(128, dtype=dtype), 1e-5)
@@ -106,5 +115,7 @@ def test_every_triton_kernel_compiles_for_an_h100():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
     names = result.stdout.split()[::2]
-    kernels = ["_paged_decode", "_paged_prefill", "_linear", "_rms_norm", "_add_rms_norm", "_silu_and_mul"]
+    # _paged_prefill twice: causal, and with image blocks that attend both ways.
+    kernels = ["_paged_decode", "_paged_prefill", "_paged_prefill", "_linear", "_rms_norm", "_add_rms_norm"]
+    kernels.append("_silu_and_mul")
     assert names == [*kernels, "_rotary_and_store"] * 2 + ["_sample"] * 2

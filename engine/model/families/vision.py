@@ -32,10 +32,19 @@ class VisionFamily:
     text_outputs: ClassVar[frozenset[str]] = frozenset(
         {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "text_replacement_offsets"}
     )
+    # Whether an image's tokens attend to each other both ways (a block of non-causal attention in the
+    # causal prompt: Gemma 3), rather than causally as text does.
+    bidirectional_images: ClassVar[bool] = False
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         self.hf_model = hf_model
         self.image_token_id: int = hf_model.config.image_token_id
+
+    @property
+    def longest_image_block(self) -> int:
+        """Where images attend both ways, the most tokens one of their blocks can have: a step's budget must
+        hold it, since a block is computed in one step. 0 otherwise."""
+        return 0
 
     def language(self) -> LanguagePart:
         return LanguagePart(self.hf_model.config.text_config, self.hf_model.model.language_model)
@@ -64,13 +73,18 @@ class VisionFamily:
         runs = _runs(ids, self.image_token_id)
         # What each image's placeholder became: as many image tokens as the image has embeddings.
         replaced = [o["replacement"] for o in outputs["text_replacement_offsets"][0] if o["type"] == "image"]
-        counts = [replacement.count(processor.image_token) for replacement in replaced]
+        image_token = self.image_token(processor)
+        counts = [replacement.count(image_token) for replacement in replaced]
         if sum(counts) != sum(length for _, length in runs):
             raise ValueError(
                 f"the processor wrote {sum(length for _, length in runs)} image tokens, {sum(counts)} expected"
             )
         per_image = self.split(outputs, counts)
         return ids, tuple(ImageInput.of(own, inputs) for own, inputs in zip(_deal(runs, counts), per_image))
+
+    def image_token(self, processor: Any) -> str:
+        """The image token as the processor writes it into the prompt's text (as many as the image has rows)."""
+        return processor.image_token
 
 
 def _runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
