@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     """Most requests decoding together in one step; more wait in the queue. Default: 64 on a CPU, 256 on a GPU."""
     max_num_batched_tokens: int | None = Field(None, ge=16)
     """Token budget of one step; longer prompts are prefilled in chunks of at most this. Default: 256 on a
-    CPU, 2048 on a GPU."""
+    CPU, 2048 on a GPU; for a model whose images a step computes whole (Gemma 3), at least an image's tokens plus
+    one per stream, and never less than an image's."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + completion in tokens; defaults to the model's context length."""
     block_size: int = Field(16, ge=1, le=1024)

@@ -39,6 +39,13 @@ class Engine:
     """Continuous batching on one thread; every submitted request gets exactly one terminal chunk."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, draft_model: PagedCausalLM | None = None) -> None:
+        vision = loaded.model.vision
+        if vision is not None and config.max_num_batched_tokens < vision.longest_image_block:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is less than an image's "
+                f"{vision.longest_image_block} tokens, which this model computes in one step (they attend to "
+                "each other both ways)"
+            )
         self.config = config
         self.token_bytes = loaded.token_bytes
         self.block_manager = BlockManager(
@@ -55,6 +62,7 @@ class Engine:
             eos_token_ids=loaded.eos_token_ids,
             max_unread_tokens=config.max_unread_tokens,
             pin_seconds=config.pinned_kv_seconds,
+            whole_images=vision is not None and vision.bidirectional_images,
         )
         self.output = OutputProcessor(self.scheduler)
         self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)

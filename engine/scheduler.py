@@ -49,7 +49,10 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         max_unread_tokens: int = 256,
         pin_seconds: float = 0.0,
+        whole_images: bool = False,
     ) -> None:
+        """`whole_images`: the model's image tokens attend to each other both ways, so a chunk never ends inside
+        a request's image block (Request.image_blocks)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +60,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.max_unread_tokens = max_unread_tokens
         self.pin_seconds = pin_seconds
+        self.whole_images = whole_images
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -82,6 +86,11 @@ class Scheduler:
         """
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        # A running prompt that waits for room to compute an image whole holds back new admissions, so the
+        # budget it needs frees up as the decodes ahead of it finish.
+        admit = True
+        # A local: asked of every running request, where a text model's check costs one jump.
+        whole_images = self.whole_images
         # A stable sort keeps arrival order within each group; decodes go first so a
         # long prompt being prefilled never holds back the tokens of everyone else.
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -96,6 +105,11 @@ class Scheduler:
                 request.was_paused = True
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if whole_images and request.image_blocks:
+                num_new = chunk_within_images(request, request.num_computed_tokens, num_new)
+                if not num_new:
+                    admit = False
+                    continue
             if not self._make_room(request, num_new, plan):
                 continue
             proposed = proposals.get(request, [])[: budget - num_new] if proposals and num_new == 1 else []
@@ -110,14 +124,20 @@ class Scheduler:
             budget -= num_new
 
         while (
-            self.waiting
+            admit
+            and self.waiting
             and budget > 0
             and self._num_seats() + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs
         ):
             request = self.waiting[0]
             # New or preempted, it holds no blocks: start it on whatever the prefix cache has.
             cached = self.block_manager.cached_prefix(request)
-            num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if whole_images and request.image_blocks:
+                num_new = chunk_within_images(request, num_cached, num_new)
+                if not num_new:
+                    break
             if not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_new)):
                 break
             self.waiting.popleft()
@@ -268,3 +288,14 @@ class Scheduler:
         if key and completed and request.index == 0:
             self.block_manager.pin(key, request, time.monotonic() + self.pin_seconds)
         self.block_manager.deallocate(request)
+
+
+def chunk_within_images(request: Request, start: int, num_new: int) -> int:
+    """How many of the `num_new` tokens from `start` a chunk of `request` computes so that it ends inside
+    none of its image blocks (whose tokens must see each other, all computed in one forward): cut back to
+    the block's start, 0 where the chunk would start inside that block (it waits for a step with room)."""
+    end = start + num_new
+    for block_start, block_end in request.image_blocks:
+        if block_start < end < block_end:
+            return max(0, block_start - start)
+    return num_new

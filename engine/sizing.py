@@ -104,6 +104,10 @@ def choose_sizes(
     on_gpu = model.device.type == "cuda"
     seqs = max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS)
     tokens = max_num_batched_tokens or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS)
+    if max_num_batched_tokens is None and model.vision is not None and model.vision.longest_image_block:
+        # An image computed in one step (Gemma 3's) fits the default budget beside a decode of every stream,
+        # so it never waits for the running requests to finish.
+        tokens = max(tokens, model.vision.longest_image_block + seqs)
     if kv_cache_gib is not None:
         return Sizing(seqs, tokens, int(kv_cache_gib * 2**30), f"--kv-cache-gib {kv_cache_gib:g}")
     if not on_gpu:

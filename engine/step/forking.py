@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.channel import StreamChannel
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
-from engine.images import ImageInput
+from engine.images import ImageInput, image_blocks
 from engine.kv_cache import BlockManager
 from engine.model.runner import ModelRunner
 from engine.request import Request
@@ -47,6 +47,7 @@ class Choices:
             params=params,
             channel=channel,
             images=images,
+            image_blocks=image_blocks(images) if images and self.runner.whole_images else (),
             detokenizer=IncrementalDetokenizer(self.token_bytes),
             stop_matcher=StopMatcher(params.stop),
             index=index,

@@ -6,9 +6,12 @@ from engine.scheduler import Scheduler
 from tests.unit.helpers import make_request
 
 
-def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, eos=frozenset({0})):
+def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, eos=frozenset({0}), whole_images=False):
     manager = BlockManager(num_blocks, block_size)
-    return Scheduler(manager, max_num_seqs, budget, max_model_len=1024, eos_token_ids=eos), manager
+    scheduler = Scheduler(
+        manager, max_num_seqs, budget, max_model_len=1024, eos_token_ids=eos, whole_images=whole_images
+    )
+    return scheduler, manager
 
 
 def run_step(scheduler, token=7):
@@ -157,3 +160,41 @@ def test_requests_are_keys_by_identity():
     first, second = make_request(4), make_request(4)
     assert first != second and len({first: 1, second: 2}) == 2
     assert type(first).__hash__ is object.__hash__
+
+
+def test_a_chunk_never_ends_inside_an_image_block():
+    """Where an image's tokens attend to each other both ways, a chunk that would end inside its block ends
+    where the block starts, and the next computes the block whole."""
+    scheduler, _ = create_scheduler(budget=16, whole_images=True)
+    request = make_request(prompt_len=40)
+    request.image_blocks = ((10, 22),)
+    scheduler.add(request)
+    assert [n for _, n in run_step(scheduler).scheduled] == [10]
+    assert [n for _, n in run_step(scheduler).scheduled] == [16]
+    assert [n for _, n in run_step(scheduler).scheduled] == [14]
+    assert request.num_output_tokens == 1
+
+
+def test_a_prompt_waiting_for_room_for_its_image_block_holds_back_admissions():
+    """Decodes leave less budget than an image block needs: its prompt waits, and no request is admitted
+    meanwhile (each would take budget it waits for), until the decodes finish and the block fits."""
+    scheduler, _ = create_scheduler(budget=16, whole_images=True)
+    decoding = [make_request(prompt_len=2, max_tokens=4) for _ in range(4)]
+    for request in decoding:
+        scheduler.add(request)
+    run_step(scheduler)
+    image = make_request(prompt_len=30)
+    image.image_blocks = ((2, 16),)
+    scheduler.add(image)
+    assert [n for r, n in run_step(scheduler).scheduled if r is image] == [2]
+    later = make_request(prompt_len=3, first_token=50)
+    scheduler.add(later)
+    for _ in range(2):
+        plan = run_step(scheduler)
+        assert image not in dict(plan.scheduled) and later.status == RequestStatus.WAITING
+    for _ in range(4):
+        if image.num_computed_tokens > 2:
+            break
+        assert later.status == RequestStatus.WAITING
+        run_step(scheduler)
+    assert image.num_computed_tokens >= 16 and all(r.is_finished for r in decoding)
