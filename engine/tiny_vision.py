@@ -5,10 +5,17 @@ placeholders; for unit tests, and as folders a server loads."""
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, PreTrainedTokenizerBase, ProcessorMixin
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+)
 
 # ChatML with each image part as the family's placeholder, text parts as they are.
 TEMPLATE = (
@@ -42,7 +49,7 @@ _CLIP = dict(
     projection_dim=32,
 )
 
-VISION_MODEL_TYPES = ("idefics3", "llava")
+VISION_MODEL_TYPES = ("gemma3", "idefics3", "llava")
 
 
 def _llava(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
@@ -97,7 +104,60 @@ def _idefics3(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]
     return config, processor
 
 
-_BUILDERS = {"idefics3": _idefics3, "llava": _llava}
+def _gemma3(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor
+
+    # Gemma 3's processor reads its tokens by name off the tokenizer (boi_token, image_token, eoi_token).
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder,
+            extra_special_tokens={
+                "boi_token": "<start_of_image>",
+                "image_token": "<image_soft_token>",
+                "eoi_token": "<end_of_image>",
+            },
+        )
+    # 56-pixel images in 7-pixel patches, 8 x 8 pooled by 2 into 16 image tokens: a run longer than the
+    # sliding window of 12, so a window and an image's block both bite.
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
+        tokenizer=tokenizer,
+        image_seq_length=16,
+        chat_template=TEMPLATE.replace("PLACEHOLDER", "<start_of_image>"),
+    )
+    config = dict(
+        text_config=dict(
+            model_type="gemma3_text",
+            vocab_size=len(tokenizer),
+            **{**_TEXT, "num_hidden_layers": 4},
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            sliding_window=12,
+            query_pre_attn_scalar=24,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=7,
+        ),
+        mm_tokens_per_image=16,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
+        initializer_range=0.2,
+    )
+    return config, processor
+
+
+_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3, "llava": _llava}
+
+# Parameters Hugging Face initializes to zeros that would leave the images out of the answer (Gemma 3's
+# projection): drawn at random here, as a trained model's are not zero.
+_RANDOM_ZEROS = {"gemma3": ("model.multi_modal_projector.mm_input_projection_weight",)}
 
 
 def tiny_vision_model(model_type: str, tokenizer: PreTrainedTokenizerBase, seed: int = 0):
@@ -106,6 +166,10 @@ def tiny_vision_model(model_type: str, tokenizer: PreTrainedTokenizerBase, seed:
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **config_fields)
     model = AutoModelForImageTextToText.from_config(config).eval()
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in _RANDOM_ZEROS.get(model_type, ()):
+            parameters[name].normal_(std=config.initializer_range)
     return model, processor
 
 

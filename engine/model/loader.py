@@ -375,22 +375,19 @@ def check_model_folder(path: Path) -> None:
         raise ModelFolderError(f"{config_file} has no 'model_type'")
     model_type = config["model_type"]
     if serves_text_part(config):
-        # Gemma 3's text_config leaves out what its class's defaults give (its vocabulary, its heads).
+        # A vision-language checkpoint's text_config leaves out what its class's defaults give, which are the
+        # checkpoint's own (Gemma 3 4B's vocabulary and heads, LLaVA 1.5's Llama 7B shape): a tensor that does
+        # not fit them fails the load.
         return _check_weights(path)
     if vision_family_for(model_type) is not None:
-        # A vision-language model: its decoder's fields are in text_config (transformers fills in the rest).
-        config = config.get("text_config") or {}
         for file in ("preprocessor_config.json", "processor_config.json"):
             if (path / file).is_file():
                 break
         else:
             raise ModelFolderError(f"{path} has no preprocessor_config.json or processor_config.json for {model_type}")
-        text_type = config.get("model_type")
-        if text_type is None:
-            return _check_weights(path)
-        family, model_type = family_for(text_type), f"{model_type}'s text_config"
-    else:
-        family = family_for(model_type)
+        # Its text_config too leaves its class's defaults out (as above).
+        return _check_weights(path)
+    family = family_for(model_type)
     missing = [field for field in family.required_config if field not in config]
     if missing:
         raise ModelFolderError(f"{config_file} lacks {', '.join(map(repr, missing))}, which {model_type} needs")

@@ -175,28 +175,31 @@ async def test_gpt_oss_mxfp4_experts_load_widened_and_serve_what_the_checkpoint_
     assert tokens_of(chunks) == hf_greedy(model, prompt, 16)
 
 
-async def test_a_gemma3_vision_checkpoint_serves_its_language_model_alone(tmp_path, default_tokenizer, caplog):
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+async def test_a_vision_checkpoint_no_vision_family_serves_serves_its_language_model_alone(
+    tmp_path, default_tokenizer, caplog
+):
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    # The tiny Gemma 3 text model of test_families without its final soft cap, which Hugging Face's
-    # vision-language Gemma 3 does not apply (and no Gemma 3 checkpoint sets).
-    text = dict(FAMILY_CONFIGS["gemma3_text"], final_logit_softcapping=None)
-    text.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    text.update(head_dim=16, max_position_embeddings=1024)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
-    config = Gemma3Config(
-        text_config=text, vision_config=dict(vision, patch_size=14), mm_tokens_per_image=4, initializer_range=0.2
+    # Mistral Small 3.1's layout (mistral3: a Pixtral tower over a Mistral), whose images Sluice does not serve.
+    text = dict(FAMILY_CONFIGS["mistral"], model_type="mistral", vocab_size=512, hidden_size=64, intermediate_size=128)
+    text.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16)
+    config = Mistral3Config(
+        text_config=text,
+        vision_config=dict(vision, num_attention_heads=2, image_size=28, patch_size=14),
+        initializer_range=0.2,
+        tie_word_embeddings=False,
     )
-    config.image_token_index, config.boi_token_index, config.eoi_token_index = 511, 509, 510
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config).eval()
+    model = Mistral3ForConditionalGeneration(config).eval()
     model.save_pretrained(tmp_path)
     default_tokenizer.save_pretrained(tmp_path)
 
     with caplog.at_level(logging.INFO, logger="engine.model.loader"):
         loaded = load_model(str(tmp_path), CACHE_DIR, device="cpu", dtype="auto", batch_invariant=True)
-    assert "a gemma3 checkpoint's language model (gemma3_text) is served, its images are not" in caplog.text
-    assert loaded.model.family.config.model_type == "gemma3_text" and loaded.model.batch_invariant
+    assert "a mistral3 checkpoint's language model (mistral) is served, its images are not" in caplog.text
+    assert loaded.model.family.config.model_type == "mistral" and loaded.model.batch_invariant
+    assert loaded.model.vision is None
     engine = tiny_engine(loaded)
     engine.start()
     try:

@@ -1,7 +1,8 @@
 """Vision-language families on tiny random models with processors built here: Hugging Face's own greedy
-`generate` with the same images, token for token, through chunked prefill that splits images; an image's
-embeddings depend on the image alone (alone == in a batch == chunked == from the encoder cache and the
-prefix cache); the prefix cache tells images apart; the tower runs once per distinct image."""
+`generate` with the same images, token for token, through chunked prefill that splits images (or, where an
+image's tokens attend to each other both ways, keeps each whole); an image's embeddings depend on the image
+alone (alone == in a batch == chunked == from the encoder cache and the prefix cache, one that ends inside an
+image too); the prefix cache tells images apart; the tower runs once per distinct image."""
 
 from __future__ import annotations
 
@@ -79,6 +80,12 @@ def hf_reference(folder, loaded) -> list[list[tuple[int, float]]]:
     return expected
 
 
+def small_budget(loaded, tokens: int) -> int:
+    """A step's budget of `tokens`, or just past the longest image block where a step must hold one whole."""
+    block = loaded.model.vision.longest_image_block
+    return block + 3 if block else tokens
+
+
 async def generate(engine, prompt, images, params=GREEDY):
     channel = StreamChannel(asyncio.get_running_loop(), num_choices=params.n)
     engine.submit("v", prompt, params, channel, images)
@@ -107,8 +114,9 @@ async def test_greedy_matches_hf_generate_with_images_split_across_chunks(folder
     expected = hf_reference(folder, loaded)
     # The image's tokens change the answer, so a forward that left them as text would fail here.
     assert expected[0] != expected[1]
-    # A budget of 7 tokens and blocks of 4: every image is split across steps, beside other requests' decodes.
-    results = await run(loaded, items, max_num_batched_tokens=7, block_size=4)
+    # A budget of 7 tokens (3 past an image that attends to itself both ways, which a step computes whole)
+    # and blocks of 4: every image is split across steps, or starts a chunk, beside other requests' decodes.
+    results = await run(loaded, items, max_num_batched_tokens=small_budget(loaded, 7), block_size=4)
     assert [[t for t, _ in r] for r in results] == [[t for t, _ in e] for e in expected]
     assert [[lp for _, lp in r] for r in results] == [pytest.approx([lp for _, lp in e], abs=1e-4) for e in expected]
 
@@ -119,7 +127,7 @@ async def test_outputs_depend_on_the_request_and_its_images_alone(folder):
     alone = [(await run(loaded, [item]))[0] for item in items]
     assert all(len(output) == NEW_TOKENS for output in alone)
     assert await run(loaded, items) == alone
-    assert await run(loaded, items, max_num_batched_tokens=5) == alone
+    assert await run(loaded, items, max_num_batched_tokens=small_budget(loaded, 5)) == alone
     engine = tiny_engine(loaded)
     engine.start()
     try:
@@ -157,6 +165,30 @@ async def test_the_prefix_cache_tells_images_apart(folder):
         engine.shutdown()
     assert cached[0] == image_start // 4 * 4
     assert cached[1] == (len(first) - 1) // 4 * 4
+
+
+async def test_a_prefix_hit_that_ends_inside_an_image_gives_the_uncached_answer(folder):
+    """The same text and image, then other text: the cached blocks end inside the image, and the request computes
+    the rest of it (seeing the cached part, which saw all of the image where its tokens attend both ways)."""
+    loaded = load_model(str(folder), CACHE_DIR, "cpu", "float32", batch_invariant=True)
+    processor, image, vision = loaded.processor, picture(0), loaded.model.vision
+    first, first_images = vision.prompt(processor, prompt_text(processor, "Look: ", [image], "Hi"), [image])
+    second, images = vision.prompt(processor, prompt_text(processor, "Look: ", [image], "Describe it"), [image])
+    shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    block_size, hit = next(
+        (size, shared // size * size) for size in (16, 8, 4) if images[0].start < shared // size * size < images[0].end
+    )
+    alone = (await run(loaded, [(second, images)], block_size=block_size))[0]
+    engine = tiny_engine(loaded, block_size=block_size)
+    engine.start()
+    try:
+        await generate(engine, first, first_images, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        before = engine.block_manager.num_prefix_hits
+        after_hit = (await generate(engine, second, images))[0]
+        assert engine.block_manager.num_prefix_hits - before == hit
+    finally:
+        engine.shutdown()
+    assert after_hit == alone
 
 
 async def test_n_choices_share_one_encoding(folder):

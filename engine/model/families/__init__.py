@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from engine.model.families.base import DecoderFamily
 from engine.model.families.gemma2 import Gemma2
 from engine.model.families.gemma3 import Gemma3
+from engine.model.families.gemma3_vision import Gemma3Vision
 from engine.model.families.gpt_oss import GptOss
 from engine.model.families.granite import Granite
 from engine.model.families.idefics3 import Idefics3
@@ -23,7 +24,7 @@ from engine.model.families.vision import LanguagePart, VisionFamily
 
 FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, GptOss, Granite, Llama, Mixtral, Olmo2, Phi3, SmolLM3)
 
-VISION_FAMILIES: tuple[type[VisionFamily], ...] = (Idefics3, Llava)
+VISION_FAMILIES: tuple[type[VisionFamily], ...] = (Gemma3Vision, Idefics3, Llava)
 
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _VISION_BY_MODEL_TYPE = {model_type: family for family in VISION_FAMILIES for model_type in family.model_types}
