@@ -215,6 +215,16 @@ async def test_gpt_oss_s_calls_come_as_tool_calls_and_its_final_channel_as_conte
     ]
     assert not "".join(d.get("content") or "" for d in deltas)
 
+    # The Responses API: the call as a function_call item, no message made of the format's headers. (It
+    # reads no logit_bias, which it ignores: this model writes the call without an analysis first.)
+    body = _weather_request(tokenizer)
+    tool = {"type": "function", "name": WEATHER.name, "parameters": WEATHER.parameters}
+    response = {"input": body["messages"], "tools": [tool], "tool_choice": "required", "temperature": 0}
+    response.update(max_output_tokens=40, logit_bias=body["logit_bias"])
+    output = (await client.post("/responses", json=response)).json()["output"]
+    assert [item["type"] for item in output if item["type"] != "reasoning"] == ["function_call"]
+    assert output[-1]["name"] == "get_weather" and output[-1]["arguments"] == call["function"]["arguments"]
+
     # A JSON schema: the answer's final message, its body the content.
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     body = _weather_request(
