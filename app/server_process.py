@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def wait_until_healthy(proc: subprocess.Popen, base: str, name: str, timeout: float = 600) -> None:
-    """Poll `base`/health until it answers 200; kill the server and raise if it exits or never does."""
+    """Poll `base`/health until it answers 200; stop the server and raise if it exits or never does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -33,7 +33,8 @@ def wait_until_healthy(proc: subprocess.Popen, base: str, name: str, timeout: fl
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    proc.kill()
+    # SIGTERM first: a `sluice cluster` then shuts its Ray processes down, which SIGKILL would orphan.
+    stop(proc)
     raise RuntimeError(f"{name} did not start within {timeout:g} s")
 
 
