@@ -8,6 +8,8 @@ Either goes instead to the least-loaded replica when it holds `imbalance` more r
 does a prompt shorter than a block. A request that continues a stored response (`previous_response_id`) goes
 where that response's KV is pinned, and unpinning it goes there too.
 
+PowerOfTwoRouter: Ray Serve's default policy, for comparison.
+
 IngressRouter, the ingress replicas': a forwarded request (app/cluster/forwarding.py) goes to the ingress
 replica its id names; everything else, as Ray's default router does, to the shorter queue of two.
 """
@@ -174,6 +176,17 @@ class CacheAwareRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.in_flight.pop(replica_id, None)
+
+
+class PowerOfTwoRouter(CacheAwareRouter):
+    """Ray Serve's default policy (two replicas at random, then the shorter queue, which Ray's probes pick),
+    blind to prefixes and pins, kept a CacheAwareRouter for the replicas' figures /health and /metrics show:
+    `--request-router power-of-two`, what cache-aware routing is measured against."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
 
 
 class IngressRouter(RequestRouter):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -32,7 +33,7 @@ from starlette.types import ASGIApp, Message
 from app.cluster.forwarding import ForwardedRequest, Forwarder, answer_forwarded
 from app.cluster.pool import ReplicaPool
 from app.cluster.replica import EngineReplica
-from app.cluster.router import CacheAwareRouter, IngressRouter
+from app.cluster.router import CacheAwareRouter, IngressRouter, PowerOfTwoRouter
 from app.server import create_app
 from app.settings import Settings
 from app.state import ServerState, serve_state
@@ -119,15 +120,12 @@ class SluiceIngress:
 def build_app(settings: ClusterSettings) -> Application:
     """The Serve application: `settings.ingress_replicas` ingress replicas over the engine replicas."""
     max_ongoing = 4 * (settings.max_num_seqs or 256)
-    if settings.request_router == "cache-aware":
-        router = RequestRouterConfig(
-            request_router_class=CacheAwareRouter,
-            request_router_kwargs={"block_size": settings.block_size, "imbalance": settings.route_imbalance},
-            request_routing_stats_period_s=1,
-            request_routing_stats_timeout_s=1,
-        )
-    else:
-        router = RequestRouterConfig(request_routing_stats_period_s=1, request_routing_stats_timeout_s=1)
+    router = RequestRouterConfig(
+        request_router_class=CacheAwareRouter if settings.request_router == "cache-aware" else PowerOfTwoRouter,
+        request_router_kwargs={"block_size": settings.block_size, "imbalance": settings.route_imbalance},
+        request_routing_stats_period_s=1,
+        request_routing_stats_timeout_s=1,
+    )
     scaling = (
         {"num_replicas": settings.replicas}
         if settings.max_replicas is None
@@ -169,14 +167,18 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(ClusterSettings(**args))
 
 
-def main(args: list[str]) -> None:
+def main(args: list[str], runtime_env: dict[str, Any] | None = None) -> None:
+    """`sluice cluster ARGS`; `runtime_env` is Ray's for every process of the cluster (bench/stub_accelerator.py
+    installs its stand-in forward in the replicas with one)."""
     settings = CliApp.run(ClusterSettings, cli_args=args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ray.init(
-        num_cpus=(settings.max_replicas or settings.replicas) * settings.replica_cpus,
+        # Ray counts whole CPUs: 1 replica of --replica-cpus 0.5 needs 1.
+        num_cpus=math.ceil((settings.max_replicas or settings.replicas) * settings.replica_cpus),
         include_dashboard=False,
         logging_level=settings.log_level.upper(),
         log_to_driver=settings.log_level == "debug",
+        runtime_env=runtime_env,
     )
     # After ray.init, which installs handlers of its own that end the process at once.
     stop = threading.Event()

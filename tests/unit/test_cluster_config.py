@@ -51,8 +51,14 @@ def test_the_deploy_configs_build_the_application_their_args_describe(config):
 def test_fixed_replicas_without_autoscaling_and_bounds_checked():
     replica = build_app(ClusterSettings(replicas=3))._bound_deployment.init_args[1]._bound_deployment
     assert replica.num_replicas == 3 and replica._deployment_config.autoscaling_config is None
+    router = replica._deployment_config.request_router_config
+    assert router.request_router_class.endswith(".CacheAwareRouter")
     with pytest.raises(ValidationError, match="between --min-replicas 1 and --max-replicas 2"):
         ClusterSettings(replicas=3, max_replicas=2)
+    power_of_two = build_app(ClusterSettings(request_router="power-of-two"))._bound_deployment.init_args[1]
+    assert power_of_two._bound_deployment._deployment_config.request_router_config.request_router_class.endswith(
+        ".PowerOfTwoRouter"
+    )
 
 
 def test_a_prefix_home_is_the_same_everywhere_and_only_a_leaving_replica_s_move():
