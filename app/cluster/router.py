@@ -38,10 +38,14 @@ def routing_stats(stats: EngineStats) -> dict[str, float]:
 def engine_stats(published: dict[str, float]) -> EngineStats:
     """A replica's stats from what it published; before it first did, a replica Ray runs is taken as alive
     and idle."""
-    return EngineStats(**{name: type(default)(published.get(name, default)) for name, default in _UNPUBLISHED.items()})
+    return EngineStats(
+        alive=bool(published.get("alive", True)),
+        **{name: kind(published.get(name, 0)) for name, kind in _NUMBERS.items()},
+    )
 
 
-_UNPUBLISHED = {name: True if name == "alive" else 0 for name in _STATS_FIELDS}
+# Every figure but `alive`, by the type it has in EngineStats.
+_NUMBERS = {f.name: int if f.type in ("int", int) else float for f in fields(EngineStats) if f.name != "alive"}
 
 
 def block_hashes(prompt_token_ids: list[int], block_size: int) -> list[int]:

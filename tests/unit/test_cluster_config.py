@@ -3,6 +3,7 @@ flags), and the router's home of a prefix: without starting Ray (tests/e2e/test_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ pytest.importorskip("ray.serve", reason="the cluster needs the `ray` extra")
 from pydantic import ValidationError  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
-from app.cluster.router import block_hashes, home_of  # noqa: E402
+from app.cluster.router import block_hashes, engine_stats, home_of, routing_stats  # noqa: E402
 from app.cluster.serve import INGRESS, REPLICA, ClusterSettings, app_builder, build_app  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -78,3 +79,10 @@ def test_block_hashes_chain_over_whole_blocks_only():
     two = block_hashes(list(range(40)), 16)
     assert len(two) == 2 and block_hashes(list(range(32)), 16) == two
     assert block_hashes([99, *range(1, 40)], 16)[1] != two[1]  # the second block's hash covers the first
+
+
+def test_a_replica_s_stats_survive_the_routing_stats_they_travel_as():
+    published = engine_stats({})
+    assert published.alive and published.num_running == 0  # a replica Ray runs, before it first published
+    stats = replace(published, num_running=3, kv_blocks_used=7, vision_seconds=1.5, alive=False)
+    assert engine_stats(routing_stats(stats)) == stats
