@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from engine.channel import StreamChannel
     from engine.detokenizer import IncrementalDetokenizer, StopMatcher
     from engine.images import ImageInput
+    from engine.rope_positions import RopePositions
     from engine.sampling.grammar import Constraint
 
 
@@ -64,6 +65,9 @@ class Request:
     # that do (engine/images.py image_blocks). The scheduler never ends a chunk inside one, so each is
     # computed seeing all of itself; empty for every other model.
     image_blocks: tuple[tuple[int, int], ...] = ()
+    # Where a model rotates tokens by their place in their image's grid (M-RoPE: Qwen2.5-VL) and the prompt has
+    # images: each token's rotary positions (engine/rope_positions.py). None: its index.
+    rope_positions: RopePositions | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

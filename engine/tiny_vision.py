@@ -49,7 +49,7 @@ _CLIP = dict(
     projection_dim=32,
 )
 
-VISION_MODEL_TYPES = ("gemma3", "idefics3", "llava")
+VISION_MODEL_TYPES = ("gemma3", "idefics3", "llava", "qwen2_5_vl", "qwen2_vl")
 
 
 def _llava(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
@@ -153,7 +153,56 @@ def _gemma3(tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
     return config, processor
 
 
-_BUILDERS = {"gemma3": _gemma3, "idefics3": _idefics3, "llava": _llava}
+def _qwen_vl(model_type: str, tokenizer: PreTrainedTokenizerBase) -> tuple[dict, ProcessorMixin]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from engine.model.families.qwen_vl import QwenVLProcessor
+
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = TEMPLATE.replace("PLACEHOLDER", "<|vision_start|><|image_pad|><|vision_end|>")
+    # Images resized to 28-pixel multiples between 56 x 56 and 112 x 112 pixels, in 14-pixel patches merged 2 x 2:
+    # a 40 x 30 image is 56 x 84 pixels, 4 x 6 patches, 2 x 3 image tokens (its rows and columns rotate apart).
+    processor = QwenVLProcessor(
+        Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2),
+        tokenizer,
+        tokenizer.chat_template,
+    )
+    # M-RoPE: of the head's 8 frequencies, 2 rotate by time, 3 by row and 3 by column.
+    tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text = dict(_TEXT, model_type=f"{model_type}_text", vocab_size=len(tokenizer), **tokens)
+    text.pop("head_dim")
+    text["rope_parameters"] = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    if model_type == "qwen2_5_vl":
+        # Windows of 2 x 2 merged tokens in the first block, full attention in the second.
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=56)
+        vision.update(fullatt_block_indexes=[1])
+    else:
+        vision.update(embed_dim=32, mlp_ratio=2, hidden_size=64)
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token) for name, token in zip(("start", "end", "image", "video"), special)
+    }
+    config = dict(
+        text_config=text,
+        vision_config=vision,
+        vision_start_token_id=ids["start"],
+        vision_end_token_id=ids["end"],
+        image_token_id=ids["image"],
+        video_token_id=ids["video"],
+        initializer_range=0.2,
+        **tokens,
+    )
+    return config, processor
+
+
+_BUILDERS = {
+    "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "llava": _llava,
+    "qwen2_5_vl": lambda tokenizer: _qwen_vl("qwen2_5_vl", tokenizer),
+    "qwen2_vl": lambda tokenizer: _qwen_vl("qwen2_vl", tokenizer),
+}
 
 # Parameters Hugging Face initializes to zeros that would leave the images out of the answer (Gemma 3's
 # projection): drawn at random here, as a trained model's are not zero.

@@ -15,7 +15,7 @@ from engine.kernels.decoder import InvariantDecoder
 from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionMetadata, InvariantMetadata
-from engine.model.families import family_of, vision_of
+from engine.model.families import decoder_of, family_of, vision_of
 from engine.model.layers import NO_FUSIONS, ExpertsKernel, Fusions, LayerOps, Replacement
 from engine.model.quant import Int4Weight
 
@@ -61,7 +61,7 @@ class PagedCausalLM:
         # A vision-language model's images (None for a text model); its decoder is run as a text model's.
         self.vision = vision_of(hf_model)
         text = self.vision.language() if self.vision is not None else hf_model
-        self.family = family_of(text)
+        self.family = decoder_of(self.vision) if self.vision is not None else family_of(text)
         config = text.config
         inner = text.model
         # The modules the decoder runs (through LayerOps, on whichever kernels): its layers and the head.
@@ -162,9 +162,12 @@ class PagedCausalLM:
         logits_indices: torch.Tensor,
         allow_int4: bool = True,
         image_rows: ImageRows | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> HeadOutput:
         """[T] tokens → float32 logits [R, V] for the R tokens at `logits_indices`; `image_rows` puts
-        images' embeddings in place of their tokens' (a vision-language model's prompts)."""
+        images' embeddings in place of their tokens' (a vision-language model's prompts); `rope_positions`
+        [3, T] rotates each token by three positions instead of `positions` (M-RoPE, where a step holds a
+        request with images)."""
         small = allow_int4 and input_ids.shape[0] <= self.int4_max_tokens
         ops = (
             LayerOps(self._small_step_linears, self._norms, kv_cache, meta, self._experts)
@@ -175,7 +178,7 @@ class PagedCausalLM:
         hidden = family.embed(self.embed_tokens, input_ids)
         if image_rows is not None:
             hidden[image_rows.indices] = image_rows.embeddings.to(hidden.dtype)
-        rotary = family.rotary(hidden, positions)
+        rotary = family.rotary(hidden, positions if rope_positions is None else rope_positions)
         decoder = None if small or not isinstance(meta, InvariantMetadata) else self._decoder
         if decoder is not None and decoder.runs(rotary.cos, kv_cache):
             hidden = decoder(hidden, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, meta.kernel)

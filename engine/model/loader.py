@@ -24,7 +24,6 @@ from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    AutoProcessor,
     AutoTokenizer,
     GenerationConfig,
     Mxfp4Config,
@@ -47,6 +46,7 @@ from engine.model.families import (  # noqa: E402
     vision_family_for,
     vision_of,
 )
+from engine.model.families.qwen_vl import QwenVLProcessor  # noqa: E402
 from engine.model.gguf_weights import shipped_blocks  # noqa: E402
 from engine.model.layers import Fusions  # noqa: E402
 from engine.model.moe import ExpertLinears, ExpertMatrices, router_of, sparse_blocks  # noqa: E402
@@ -77,7 +77,7 @@ class ServedModel:
     vocab_size: int
     # A vision-language model's processor (from the folder): images → tower inputs, placeholders → image
     # tokens. None for a text model, which takes no images (and in a cluster's ingress, for now).
-    processor: ProcessorMixin | None = None
+    processor: ProcessorMixin | QwenVLProcessor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,8 +191,9 @@ def load_model(
     # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
     load_dtype = torch.float32 if int4_tokens else torch_dtype
     config = AutoConfig.from_pretrained(path)
-    vision = model is not None and vision_family_for(config.model_type) is not None
-    processor = AutoProcessor.from_pretrained(path) if vision else None
+    vision_family = vision_family_for(config.model_type) if model is not None else None
+    vision = vision_family is not None
+    processor = vision_family.load_processor(path, tokenizer) if vision_family is not None else None
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = processor.chat_template
     auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM

@@ -10,6 +10,7 @@ from enum import Enum
 import torch
 
 from engine.encoder_cache import EncoderCache
+from engine.images import ImageInput
 from engine.kv_cache import KVCache
 from engine.model.attention import (
     AttentionMetadata,
@@ -24,6 +25,7 @@ from engine.model.graphs import DecodeGraphs, Replay
 from engine.model.image_embedder import ImageEmbedder
 from engine.model.uploads import long_tensor
 from engine.request import Request
+from engine.rope_positions import RopePositions
 from engine.scheduler import StepPlan
 
 
@@ -60,6 +62,8 @@ class ModelRunner:
         # Whether requests' image blocks attend both ways (Request.image_blocks): each step then tells the
         # attention how far each of their tokens reads.
         self.whole_images = model.vision is not None and model.vision.bidirectional_images
+        # Whether requests' tokens are rotated by their place in their image's grid (Request.rope_positions).
+        self.rope_by_grid = model.vision is not None and model.vision.rope_by_grid
         self.block_size = block_size
         self.device = model.device
         # The GPU's paged attention kernels, where they run (else SDPA over gathered contexts).
@@ -160,12 +164,14 @@ class ModelRunner:
             elif segment.logits == Logits.LAST:
                 logits_indices.append(len(input_ids) - 1)
         image_rows = self.images.rows(segments) if self.images is not None else None
+        rope = self._rope_positions(segments) if self.rope_by_grid else None
         graphs = self.graphs
         # Decodes only (a token per segment), each wanting its logits: the captured graph of its size
         # (if it can read the placeholders among them).
         if (
             graphs is not None
             and image_rows is None
+            and rope is None
             and 0 < len(segments) == len(input_ids) == len(logits_indices) <= graphs.max_batch
             and (resolve is None or graphs.placeholders is not None)
         ):
@@ -199,6 +205,7 @@ class ModelRunner:
             self._tensor(logits_indices),
             allow_int4=not computes_prompt,
             image_rows=image_rows,
+            rope_positions=rope,
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -211,6 +218,27 @@ class ModelRunner:
         destination_slots = (destinations.unsqueeze(1) * self.block_size + offsets).flatten()
         for storage in (self.kv_cache.key, self.kv_cache.value):
             storage[:, destination_slots] = storage[:, source_slots]
+
+    def rope_positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> RopePositions | None:
+        """A new request's rotary positions, where the model rotates by grid (else None: its tokens' indices)."""
+        vision = self.model.vision
+        return vision.rope_positions(num_tokens, images) if vision is not None and self.rope_by_grid else None
+
+    def _rope_positions(self, segments: list[Segment]) -> torch.Tensor | None:
+        """[3, T]: each token's three rotary positions, where a request of the step has them (else None: every
+        token's index, on each axis)."""
+        if not any(segment.request.rope_positions is not None for segment in segments):
+            return None
+        axes = (array("q"), array("q"), array("q"))
+        for segment in segments:
+            start, end = segment.start, segment.start + len(segment.token_ids)
+            positions = segment.request.rope_positions
+            if positions is not None:
+                positions.extend(start, end, axes)
+            else:
+                for axis in axes:
+                    axis.extend(range(start, end))
+        return self._tensor([*axes[0], *axes[1], *axes[2]]).view(3, -1)
 
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         table, size = request.block_table, self.block_size

@@ -48,6 +48,7 @@ class Choices:
             channel=channel,
             images=images,
             image_blocks=image_blocks(images) if images and self.runner.whole_images else (),
+            rope_positions=self.runner.rope_positions(len(prompt_token_ids), images) if images else None,
             detokenizer=IncrementalDetokenizer(self.token_bytes),
             stop_matcher=StopMatcher(params.stop),
             index=index,

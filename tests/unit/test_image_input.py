@@ -311,3 +311,29 @@ async def test_image_tokens_count_against_the_context(vision_server):
         over = await client.post("/v1/chat/completions", json=chat_body(image, max_tokens=room - with_image + 1))
     assert with_image == without["prompt_tokens"] + 16  # the tiny LLaVA's 16 patches, one token each
     assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "qwen2_5_vl"])
+async def test_gemma3_and_qwen2_5_vl_take_an_image_through_the_chat_route(
+    default_tokenizer, tmp_path_factory, model_type
+):
+    """Gemma 3's start-of-image placeholder becomes its tags around 16 image tokens; Qwen2.5-VL's processor (built
+    here without torchvision) makes a 40 x 30 image 2 x 3 image tokens between its tags; the answer is the same
+    again (the image from the encoder cache and the prefix cache)."""
+    folder = tiny_vision_folder(model_type, default_tokenizer, tmp_path_factory.mktemp(model_type))
+    server = InProcess(load_model(str(folder), CACHE_DIR, "cpu", "float32", batch_invariant=True))
+    image = image_part(data_url(encoded(picture(5), "PNG")))
+    try:
+        async with server.client() as client:
+            answers = [
+                (await client.post("/v1/chat/completions", json=chat_body(*parts, max_tokens=8, temperature=0))).json()
+                for parts in ((image,), (), (image,))
+            ]
+    finally:
+        server.close()
+    with_image, without, again = answers
+    added = with_image["usage"]["prompt_tokens"] - without["usage"]["prompt_tokens"]
+    # Gemma 3's: 16 image tokens, its two tags and a blank line each side; Qwen2.5-VL's: 6, and its two tags.
+    assert added == {"gemma3": 16 + 2 + 2, "qwen2_5_vl": 6 + 2}[model_type]
+    assert again["choices"][0]["message"] == with_image["choices"][0]["message"]
+    assert with_image["choices"][0]["message"] != without["choices"][0]["message"]

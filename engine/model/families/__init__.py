@@ -19,12 +19,13 @@ from engine.model.families.llava import Llava
 from engine.model.families.mixtral import Mixtral
 from engine.model.families.olmo2 import Olmo2
 from engine.model.families.phi3 import Phi3
+from engine.model.families.qwen_vl import QwenVL
 from engine.model.families.smollm3 import SmolLM3
 from engine.model.families.vision import LanguagePart, VisionFamily
 
 FAMILIES: tuple[type[DecoderFamily], ...] = (Gemma2, Gemma3, GptOss, Granite, Llama, Mixtral, Olmo2, Phi3, SmolLM3)
 
-VISION_FAMILIES: tuple[type[VisionFamily], ...] = (Gemma3Vision, Idefics3, Llava)
+VISION_FAMILIES: tuple[type[VisionFamily], ...] = (Gemma3Vision, Idefics3, Llava, QwenVL)
 
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _VISION_BY_MODEL_TYPE = {model_type: family for family in VISION_FAMILIES for model_type in family.model_types}
@@ -68,3 +69,10 @@ def vision_of(hf_model: PreTrainedModel) -> VisionFamily | None:
 def family_of(hf_model: PreTrainedModel | LanguagePart) -> DecoderFamily:
     """The family that runs `hf_model` (or a vision-language model's LanguagePart), built over its modules."""
     return family_for(hf_model.config.model_type)(hf_model)
+
+
+def decoder_of(vision: VisionFamily) -> DecoderFamily:
+    """The family that runs a vision-language model's decoder: the vision family's own where it has one, else
+    that of its text_config's model_type."""
+    language = vision.language()
+    return vision.decoder(language) if vision.decoder is not None else family_of(language)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import AutoProcessor, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.images import ImageInput
+from engine.model.families.base import DecoderFamily
+from engine.rope_positions import RopePositions
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,16 @@ class VisionFamily:
     # Whether an image's tokens attend to each other both ways (a block of non-causal attention in the
     # causal prompt: Gemma 3), rather than causally as text does.
     bidirectional_images: ClassVar[bool] = False
+    # Whether tokens are rotated by their place in their image's grid rather than their index (M-RoPE:
+    # rope_positions gives a prompt's).
+    rope_by_grid: ClassVar[bool] = False
+    # The family of the decoder where no text model shares it (else its text_config's model_type's).
+    decoder: ClassVar[type[DecoderFamily] | None] = None
+
+    @classmethod
+    def load_processor(cls, path: Path, tokenizer: PreTrainedTokenizerBase) -> Any:
+        """The model's processor, from its folder (`tokenizer`: the folder's, already loaded)."""
+        return AutoProcessor.from_pretrained(path)
 
     def __init__(self, hf_model: PreTrainedModel) -> None:
         self.hf_model = hf_model
@@ -69,18 +82,25 @@ class VisionFamily:
     def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt's token ids as the processor expands its image placeholders, and its images."""
         outputs = processor(text=[text], images=list(images), return_tensors="pt", return_text_replacement_offsets=True)
-        ids: list[int] = outputs["input_ids"][0].tolist()
-        runs = _runs(ids, self.image_token_id)
         # What each image's placeholder became: as many image tokens as the image has embeddings.
         replaced = [o["replacement"] for o in outputs["text_replacement_offsets"][0] if o["type"] == "image"]
         image_token = self.image_token(processor)
-        counts = [replacement.count(image_token) for replacement in replaced]
+        return self.images_of(outputs, [replacement.count(image_token) for replacement in replaced])
+
+    def images_of(self, outputs: Mapping[str, Any], counts: Sequence[int]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt's token ids and its images from the processor's `outputs`, `counts[i]` image tokens to image i."""
+        ids: list[int] = outputs["input_ids"][0].tolist()
+        runs = _runs(ids, self.image_token_id)
         if sum(counts) != sum(length for _, length in runs):
             raise ValueError(
                 f"the processor wrote {sum(length for _, length in runs)} image tokens, {sum(counts)} expected"
             )
         per_image = self.split(outputs, counts)
-        return ids, tuple(ImageInput.of(own, inputs) for own, inputs in zip(_deal(runs, counts), per_image))
+        return ids, tuple(ImageInput.of(own, inputs) for own, inputs in zip(_deal(runs, list(counts)), per_image))
+
+    def rope_positions(self, num_tokens: int, images: Sequence[ImageInput]) -> RopePositions:
+        """Where rope_by_grid: the rotary positions of a prompt of `num_tokens` with these images."""
+        raise NotImplementedError
 
     def image_token(self, processor: Any) -> str:
         """The image token as the processor writes it into the prompt's text (as many as the image has rows)."""
