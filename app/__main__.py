@@ -7,14 +7,21 @@ import logging
 import os
 import sys
 
-import uvicorn
-from pydantic_settings import CliApp
+# OpenMP's threads (torch's and the CPU kernels') wait for work asleep rather than spinning, unless the
+# operator sets OMP_WAIT_POLICY: it is read once, when torch loads, so before anything imports it.
+# Spinning threads take the CPU from the engine thread, the event loop and everything else on the
+# machine between a step's parallel regions; on a shared machine that made a server many times slower
+# (docs/performance.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from app.operations.drain import DrainingServer
-from app.operations.front_door import RequestIdLogFilter
-from app.operations.transport import bounded_http_protocol
-from app.server import create_app
-from app.settings import Settings
+import uvicorn  # noqa: E402
+from pydantic_settings import CliApp  # noqa: E402
+
+from app.operations.drain import DrainingServer  # noqa: E402
+from app.operations.front_door import RequestIdLogFilter  # noqa: E402
+from app.operations.transport import bounded_http_protocol  # noqa: E402
+from app.server import create_app  # noqa: E402
+from app.settings import Settings  # noqa: E402
 
 
 def main() -> None:
