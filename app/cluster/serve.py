@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -140,7 +141,12 @@ def build_app(settings: ClusterSettings) -> Application:
     )
     replica = serve.deployment(EngineReplica, name=REPLICA).options(
         **scaling,
-        ray_actor_options={"num_cpus": settings.replica_cpus, "num_gpus": 1 if settings.device == "cuda" else 0},
+        ray_actor_options={
+            "num_cpus": settings.replica_cpus,
+            "num_gpus": 1 if settings.device == "cuda" else 0,
+            # As `sluice` sets for itself (app/__main__.py): OpenMP's threads wait asleep, not spinning.
+            "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
+        },
         max_ongoing_requests=max_ongoing,
         request_router_config=router,
         # Taken away (scale-down, redeploy), a replica is sent nothing new and its streams run to their end
