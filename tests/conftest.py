@@ -1,9 +1,13 @@
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from hypothesis import settings
+# As `sluice` runs (app/__main__.py): OpenMP's threads wait asleep, so the in-process engines of the tests
+# and the servers they start do not spin against each other on a few cores. Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Property tests: the full number of examples in CI (where CI=true), two fifths of it for a quicker
 # run elsewhere. Tests whose examples cost seconds of generation take a fraction of these.
