@@ -19,9 +19,10 @@ from app.operations.metrics import Metrics
 from app.operations.sends import SendBatch
 from app.serving.image_prompt import load_images, vision_prompt
 from app.serving.images import ImagePart, MediaPolicy
+from app.serving.messages import ChatMessage
 from app.serving.output_format import OutputFormat, output_format
 from app.serving.prompting import chat_prompt_ids, chat_prompt_text
-from app.serving.protocol import ChatMessage, ServingLimits
+from app.serving.protocol import ServingLimits
 from app.serving.reasoning import ReasoningParser, reasoning_parser
 from app.serving.responses import ResponseStore
 from app.serving.resumable import StreamRegistry

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import OpenAIError
 from app.serving.images import ImagePart, MediaPolicy, decode_image, image_bytes
-from app.serving.protocol import ChatMessage
+from app.serving.messages import ChatMessage
 from engine.images import ImageInput
 from engine.model.loader import LoadedModel, ServedModel
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-from app.serving.protocol import ToolCall
+from app.serving.messages import ToolCall
 
 
 def _absent(value: object) -> bool:

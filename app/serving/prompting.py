@@ -15,7 +15,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from app.errors import OpenAIError
-from app.serving.protocol import ChatMessage
+from app.serving.messages import ChatMessage
 from app.serving.tools import ToolUse, render_call, render_result
 
 # Templates written before the "developer" role know it as "system".

@@ -3,40 +3,30 @@ answers with is app/serving/payloads.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from app.errors import OpenAIError
-from app.serving.json_schema import decoded_schema
+from app.serving.messages import ChatMessage, NamedToolChoice, ToolDefinition, resolve_tool_use
 from app.serving.request_rules import (
     BEST_OF_ONE,
-    IMAGE_PART,
     LOGIT_BIAS,
-    NOT_NULL_SCHEMA,
     ONE_PROMPT,
-    TOKEN_ID,
     TOOL_CHOICE_NEEDS_TOOLS,
-    TOOL_MESSAGE,
     TOP_LOGPROBS_NEED_LOGPROBS,
     UNCONSTRAINED,
     array_bounds,
     output_constraint_rules,
-    schema_needed,
 )
-from app.serving.tools import Function, ToolUse, parameters_schema
+from app.serving.response_format import ResponseFormat, StructuredOutputs, json_spec
+from app.serving.tools import ToolUse
+from app.serving.wire import WHOLE, Int, RequestModel, TokenId
 from engine.types import GrammarSpec, Reasoning, SamplingParams
 
 
-class _Request(BaseModel):
-    # Strict, as OpenAI: 0 is not a boolean, 1.5 not an integer, "2" not a number; what the OpenAPI
-    # document says a field takes is what it accepts.
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
@@ -61,101 +51,7 @@ MAX_TOP_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5
 
 
-def _whole(value: object) -> object:
-    # JSON Schema counts 1.0 as an integer; strict mode alone would refuse it.
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-# After a field's own constraints in its Annotated (before them, pydantic drops them from the JSON schema).
-WHOLE = BeforeValidator(_whole)
-Int = Annotated[int, WHOLE]
-TokenId = Annotated[int, Field(json_schema_extra={TOKEN_ID: True, "minimum": 0}), WHOLE]
-
-
-class JsonSchemaFormat(_Request):
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
-
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Request):
-    model_config = ConfigDict(
-        json_schema_extra=schema_needed(
-            {"required": ["json_schema"], "properties": {"json_schema": {"type": "object", **NOT_NULL_SCHEMA}}}
-        )
-    )
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    def grammar(self) -> GrammarSpec | None:
-        fmt = self.json_schema
-        return format_grammar(self.type, fmt.schema_ if fmt else None, fmt.strict if fmt else None, "response_format")
-
-
-class StructuredOutputs(_Request):
-    """Extension (as vLLM's `structured_outputs`): exactly one of these constrains the output."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "oneOf": [
-                *(
-                    {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
-                    for name in ("json", "regex", "choice", "grammar")
-                ),
-                {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
-            ]
-        }
-    )
-
-    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    def spec(self, param: str) -> GrammarSpec:
-        found = [
-            *([_json_spec(self.json_, f"{param}.json")] if self.json_ is not None else []),
-            *([GrammarSpec("regex", self.regex)] if self.regex is not None else []),
-            *([GrammarSpec.choice(self.choice)] if self.choice is not None else []),
-            *([GrammarSpec("grammar", self.grammar)] if self.grammar is not None else []),
-            *([format_grammar("json_object", None, None, param)] if self.json_object else []),
-        ]
-        if len(found) != 1:
-            raise OpenAIError(
-                400, f"{param} needs exactly one of json, regex, choice, grammar, json_object", param=param
-            )
-        return found[0]
-
-
-def format_grammar(kind: str, schema: dict | bool | None, strict: bool | None, param: str) -> GrammarSpec | None:
-    """The grammar of an output format (chat's `response_format`, Responses' `text.format`); a schema
-    is read as strict mode reads it unless `strict` is False (json_schema.py)."""
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec.json_schema({"type": "object"})
-    if schema is None:
-        raise OpenAIError(400, f"{param} of type json_schema needs a schema", param=param)
-    return _json_spec(schema, param, strict)
-
-
-def _json_spec(schema: dict | bool | str, param: str, strict: bool | None = None) -> GrammarSpec:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
-    if not isinstance(schema, (dict, bool)):
-        raise OpenAIError(400, f"{param} must be a JSON schema (an object)", param=param)
-    return GrammarSpec.json_schema(decoded_schema(schema, strict))
-
-
-class _SamplingRequest(_Request):
+class SamplingRequest(RequestModel):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -234,7 +130,7 @@ class _SamplingRequest(_Request):
         if self.structured_outputs is not None:
             found.append((self.structured_outputs.spec("structured_outputs"), "structured_outputs"))
         if self.guided_json is not None:
-            found.append((_json_spec(self.guided_json, "guided_json"), "guided_json"))
+            found.append((json_spec(self.guided_json, "guided_json"), "guided_json"))
         if self.guided_regex is not None:
             found.append((GrammarSpec("regex", self.guided_regex), "guided_regex"))
         if self.guided_choice is not None:
@@ -308,111 +204,7 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Request):
-    url: str
-    """A data: URL (PNG, JPEG, WebP, GIF), or an http(s) URL on a host --allowed-media-domains names."""
-    detail: Literal["auto", "low", "high"] = "auto"
-    """Accepted and not read: the model's processor decides the resolution."""
-
-
-class ImageContentPart(_Request):
-    model_config = ConfigDict(json_schema_extra={IMAGE_PART: True})
-
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
-
-
-class FunctionCall(_Request):
-    name: str
-    # The arguments as a JSON text, as OpenAI sends them.
-    arguments: str
-
-
-class ToolCall(_Request):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDefinition(_Request):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-def resolve_tool_use(
-    functions: list[FunctionDefinition] | None, choice: object, named: str | None, parallel: bool
-) -> ToolUse | None:
-    """What a request's `tools` and `tool_choice` allow (`named`: the function a named choice names)."""
-    if choice is not None and not functions:
-        raise OpenAIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
-    if not functions or choice == "none":
-        return None
-    names = [f.name for f in functions]
-    if len(set(names)) != len(names):
-        raise OpenAIError(400, "tools: function names must be unique", param="tools")
-    if named is not None and named not in names:
-        raise OpenAIError(400, f"tool_choice names the function {named!r}, which is not in tools", param="tool_choice")
-    offered = tuple(Function(f.name, f.description, parameters_schema(f.parameters), f.strict) for f in functions)
-    return ToolUse(offered, named or choice or "auto", parallel)
-
-
-class ToolDefinition(_Request):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatMessage(_Request):
-    model_config = ConfigDict(json_schema_extra=TOOL_MESSAGE)
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    # An assistant turn's calls, and a tool result's answer to one of them.
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _tool_results_answer_a_call(self) -> ChatMessage:
-        # As OpenAI: a tool message without the call it answers, or without content, is refused.
-        if self.role == "tool" and (self.tool_call_id is None or self.content is None):
-            raise ValueError("a message with role 'tool' needs tool_call_id and content")
-        return self
-
-    def text(self) -> str:
-        """The message's text parts, joined (its images left out)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content if isinstance(part, TextContentPart))
-
-    def image_urls(self) -> list[tuple[int, str]]:
-        """The URLs of the message's image parts, each with its part's index in `content`."""
-        if not isinstance(self.content, list):
-            return []
-        return [(i, part.image_url.url) for i, part in enumerate(self.content) if isinstance(part, ImageContentPart)]
-
-
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     model_config = ConfigDict(
         json_schema_extra={
             "allOf": [
@@ -452,7 +244,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [BEST_OF_ONE, *output_constraint_rules(UNCONSTRAINED)]})
 
     prompt: str | list[Int] | list[str] | list[list[Int]] = Field(json_schema_extra=ONE_PROMPT)

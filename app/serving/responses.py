@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from app.operations.accounting import Accounting
 from app.serving.event_log import EventLog
+from app.serving.messages import ChatMessage, FunctionCall, ToolCall
 from app.serving.output_format import OutputParser
-from app.serving.protocol import ChatMessage, FunctionCall, ToolCall
 from app.serving.responses_protocol import (
     IncompleteDetails,
     InputTokensDetails,

@@ -12,8 +12,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from app.errors import OpenAIError
 from app.serving.images import ImagePart
-from app.serving.protocol import (
-    WHOLE,
+from app.serving.messages import (
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
@@ -21,11 +20,9 @@ from app.serving.protocol import (
     ImageURL,
     TextContentPart,
     ToolCall,
-    _Request,
-    _SamplingRequest,
-    format_grammar,
     resolve_tool_use,
 )
+from app.serving.protocol import SamplingRequest
 from app.serving.request_rules import (
     IMAGE_PART,
     NOT_NULL_SCHEMA,
@@ -35,16 +32,18 @@ from app.serving.request_rules import (
     output_constraint_rules,
     schema_needed,
 )
+from app.serving.response_format import format_grammar
 from app.serving.tools import ToolUse
+from app.serving.wire import WHOLE, RequestModel
 from engine.types import GrammarSpec
 
 
-class InputText(_Request):
+class InputText(RequestModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class InputImage(_Request):
+class InputImage(RequestModel):
     model_config = ConfigDict(json_schema_extra={IMAGE_PART: True})
 
     type: Literal["input_image"]
@@ -54,7 +53,7 @@ class InputImage(_Request):
     """Accepted and not read: the model's processor decides the resolution."""
 
 
-class MessageInput(_Request):
+class MessageInput(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
@@ -73,14 +72,14 @@ class MessageInput(_Request):
         ]
 
 
-class FunctionCallInput(_Request):
+class FunctionCallInput(RequestModel):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputInput(_Request):
+class FunctionCallOutputInput(RequestModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str
@@ -99,7 +98,7 @@ InputItem = Annotated[
 ]
 
 
-class TextFormat(_Request):
+class TextFormat(RequestModel):
     model_config = ConfigDict(
         extra="ignore", strict=True, populate_by_name=True, json_schema_extra=schema_needed(NOT_NULL_SCHEMA)
     )
@@ -111,7 +110,7 @@ class TextFormat(_Request):
     strict: bool | None = None
 
 
-class TextConfig(_Request):
+class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
@@ -121,12 +120,12 @@ class FunctionTool(FunctionDefinition):
     type: Literal["function"]
 
 
-class NamedFunctionChoice(_Request):
+class NamedFunctionChoice(RequestModel):
     type: Literal["function"]
     name: str
 
 
-class ResponsesRequest(_SamplingRequest):
+class ResponsesRequest(SamplingRequest):
     model_config = ConfigDict(
         json_schema_extra={
             "allOf": [

@@ -17,6 +17,7 @@ from typing import Literal
 from app.errors import OpenAIError, error_body
 from app.operations.accounting import Accounting
 from app.serving.logprobs import chat_logprobs, completion_logprobs
+from app.serving.messages import FunctionCall, ToolCall
 from app.serving.output_format import OutputParser
 from app.serving.payloads import (
     ChatChoice,
@@ -36,7 +37,6 @@ from app.serving.payloads import (
     ToolCallDelta,
     Usage,
 )
-from app.serving.protocol import FunctionCall, ToolCall
 from app.serving.tools import ArgumentsDelta, CallStarted, Content, Piece
 from engine import types as engine_types
 from engine.channel import StreamChannel
