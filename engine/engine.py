@@ -33,6 +33,7 @@ from engine.types import SamplingParams
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_MESSAGE = "the engine is shutting down"
+_EMPTY_PROMPT_MESSAGE = "the prompt has no tokens"
 
 
 class Engine:
@@ -146,8 +147,12 @@ class Engine:
         request once its prompt is prefilled. `images` are the prompt's (a vision-language model's).
         """
         request = self.choices.new_request(request_id, prompt_token_ids, params, channel, index=0, images=images)
-        if not self.inbox.put_request(request):
-            self.output.end(request, RequestStatus.FINISHED_ERROR, _SHUTDOWN_MESSAGE)
+        # A step of no tokens would fail with every request in it (servers refuse these with a 400 first).
+        refusal = _EMPTY_PROMPT_MESSAGE if not prompt_token_ids else None
+        if refusal is None and not self.inbox.put_request(request):
+            refusal = _SHUTDOWN_MESSAGE
+        if refusal is not None:
+            self.output.end(request, RequestStatus.FINISHED_ERROR, refusal)
             self.output.flush()
 
     def abort_all(self, message: str) -> None:

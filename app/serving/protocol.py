@@ -113,6 +113,8 @@ class SamplingRequest(RequestModel):
 
     # The output length when the request gives none; None: all the context leaves.
     default_max_tokens: ClassVar[int | None] = None
+    # The field that holds the prompt, named by the errors about it.
+    prompt_param: ClassVar[str] = "messages"
 
     def _max_tokens_given(self) -> dict[str, int | None]:
         """The request's limits on its output length, by parameter, the one that counts first."""
@@ -156,6 +158,9 @@ class SamplingRequest(RequestModel):
         for param, ids in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or ())):
             if bad := [t for t in ids if not 0 <= t < limits.vocab_size]:
                 raise OpenAIError(400, f"{param}: token id {bad[0]} is not in the vocabulary", param=param)
+        if num_prompt_tokens < 1:
+            # A text of control characters can tokenize to nothing, and a step of no tokens fails.
+            raise OpenAIError(400, "The prompt is empty once tokenized", param=self.prompt_param)
         room = limits.max_model_len - num_prompt_tokens
         given = self._max_tokens_given()
         max_tokens = next((value for value in given.values() if value is not None), None)
@@ -165,7 +170,7 @@ class SamplingRequest(RequestModel):
                 f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
                 f"requested {num_prompt_tokens + (max_tokens or 1)} tokens ({num_prompt_tokens} in "
                 f"the prompt, {max_tokens or 1} for the completion).",
-                param="max_tokens" if room >= 1 else "messages",
+                param="max_tokens" if room >= 1 else self.prompt_param,
                 code="context_length_exceeded",
             )
         cap = limits.max_tokens_limit
@@ -252,6 +257,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     """16 when not given, as OpenAI (or less, where the context or --max-tokens-limit leaves less)."""
     default_max_tokens: ClassVar[int | None] = 16
+    prompt_param: ClassVar[str] = "prompt"
     echo: bool = Field(False, json_schema_extra={"const": False})
     """Not supported: only false is accepted."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE] | None = None

@@ -5,7 +5,7 @@ Stream events are built from these in app/serving/responses.py, each with its se
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from pydantic.json_schema import SkipJsonSchema
@@ -156,6 +156,7 @@ class ResponsesRequest(SamplingRequest):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
+    prompt_param: ClassVar[str] = "input"
 
     def _max_tokens_given(self) -> dict[str, int | None]:
         return {"max_output_tokens": self.max_output_tokens}

@@ -27,16 +27,18 @@ UNDECLARABLE = {"guided_regex", "guided_grammar", "guided_json", "structured_out
 UNDECLARABLE |= {"structured_outputs.json", "text.format", "tools", "tool_choice", "starting_after"}
 # A grammar that compiles but asks for text no token can write (a stream's first event, or a 400).
 UNWRITABLE = "cannot be followed with this model's tokens"
+# A prompt of text the tokenizer drops (control characters) leaves no token to start from.
+EMPTY = "The prompt is empty once tokenized"
 DECLARED = ("only one output constraint", "cannot be combined with tools", "tool_choice is only allowed")
 
 
 def undeclarable(response) -> bool:
-    """A 400 for what the document cannot declare: a prompt over the context, a grammar that does not
-    compile or that the vocabulary cannot write."""
+    """A 400 for what the document cannot declare: a prompt over the context or of no tokens, a grammar
+    that does not compile or that the vocabulary cannot write."""
     if response.status_code != 400:
         return False
     error = response.json()["error"]
-    if error["code"] == "context_length_exceeded" or UNWRITABLE in error["message"]:
+    if error["code"] == "context_length_exceeded" or UNWRITABLE in error["message"] or EMPTY in error["message"]:
         return True
     return error["param"] in UNDECLARABLE and not any(rule in error["message"] for rule in DECLARED)
 
@@ -102,6 +104,11 @@ def test_what_the_fuzzer_found_stays_fixed(api):
     for field, value in (("stream", 0), ("max_tokens", "2"), ("n", 1.5)):
         response = httpx.post(f"{base}/v1/chat/completions", json={"messages": messages, field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, value)
+    # A prompt that tokenizes to nothing (a step of no tokens failed every stream in it, a 500).
+    for prompt in ("\u0004", ["\u0004"]):
+        response = httpx.post(f"{base}/v1/completions", json={"prompt": prompt})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+        assert EMPTY in response.json()["error"]["message"]
     # A completion's default of 16 tokens gives way to --max-tokens-limit (8) rather than refusing.
     response = httpx.post(f"{base}/v1/completions", json={"prompt": "0"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 8

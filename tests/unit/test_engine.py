@@ -122,6 +122,14 @@ async def test_fault_in_a_step_ends_every_live_stream_with_an_error(engine):
     assert len(tokens_of(await collect(engine, [1], greedy(3)))) == 3
 
 
+async def test_an_empty_prompt_ends_with_an_error_and_leaves_the_others_running(engine):
+    other = asyncio.create_task(collect(engine, [1, 2], greedy(20)))
+    await wait_for(lambda: engine.stats.num_running == 1)
+    empty = await collect(engine, [], greedy(3))
+    assert len(empty) == 1 and empty[0].finish_reason == FinishReason.ERROR and "no tokens" in empty[0].error
+    assert len(tokens_of(await other)) == 20 and engine.alive
+
+
 async def test_shutdown_ends_live_and_later_requests(loaded):
     engine = tiny_engine(loaded)
     engine.start()
