@@ -64,7 +64,15 @@ def test_the_default_checks_pass(api, mode):
     for operation in operations:
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        # The same cases every run, so that the suite fails for a change and not by the draw: new cases
+        # are `st run`'s to find (docs/api.md), and each bug found there is pinned below.
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            derandomize=True,
+        )
         def fuzz(case):
             response = case.call(base_url=base, timeout=60)
             if not undeclarable(response):
