@@ -15,7 +15,6 @@ from engine.images import ImageInput
 from engine.inbox import AbortAll, Inbox, Unpin
 from engine.kv_cache import BlockManager
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
-from engine.model.graphs import run_eagerly
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
 from engine.output import OutputProcessor
@@ -85,31 +84,12 @@ class Engine:
             self.overlap = OverlappedSteps(future, self._forward, self.scheduler, self.sampler, self.block_manager)
             self.runner.placeholders = future.buffer
         if loaded.model.device.type == "cuda":
-            self._capture_graphs()
+            self.runner.capture_decode_graphs(config.max_num_seqs, config.max_model_len, config.enforce_eager)
         self._thread: threading.Thread | None = None
         self._num_steps = 0
         self._num_paused = 0
         self._pins_checked = 0.0
         self._stats = self._snapshot(alive=False)
-
-    def _capture_graphs(self) -> None:
-        eager = self.config.enforce_eager
-        try:
-            captured = self.runner.capture_decode_graphs(
-                self.config.max_num_seqs, self.config.max_model_len, capture=run_eagerly if eager else None
-            )
-        except Exception as exc:
-            if eager:
-                raise
-            raise RuntimeError(
-                "capturing the decode steps as CUDA graphs failed; --enforce-eager runs without them"
-            ) from exc
-        if captured and eager:
-            logger.info("CUDA graphs off (--enforce-eager): decode steps run eagerly, padded to the graphs' buckets")
-        elif not captured:
-            logger.info(
-                "CUDA graphs off: they need the Triton paged decode kernel (a cache block of 16 or more) and no int4"
-            )
 
     # Any thread.
 

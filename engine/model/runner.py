@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from engine.model.attention import (
     image_key_ends,
 )
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
-from engine.model.graphs import DecodeGraphs, Replay
+from engine.model.graphs import DecodeGraphs, Replay, run_eagerly
 from engine.model.image_embedder import ImageEmbedder
 from engine.model.uploads import long_tensor
 from engine.request import Request
 from engine.rope_positions import RopePositions
 from engine.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
 
 
 class Logits(Enum):
@@ -86,27 +89,42 @@ class ModelRunner:
         )
 
     def capture_decode_graphs(
-        self, max_num_seqs: int, max_model_len: int, capture: Callable[[Callable[[], HeadOutput]], Replay] | None = None
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        eager: bool = False,
+        capture: Callable[[Callable[[], HeadOutput]], Replay] | None = None,
     ) -> bool:
-        """Capture decode steps of up to max_num_seqs requests as CUDA graphs (or with `capture`:
-        graphs.run_eagerly runs them eagerly, padded alike); whether they were: they need the GPU's paged
-        decode kernel, full-precision weights and a family whose forward a graph can replay."""
+        """Capture decode steps of up to max_num_seqs requests as CUDA graphs (`eager`, --enforce-eager:
+        graphs.run_eagerly runs them eagerly, padded alike; tests pass their own `capture`); whether they
+        were: they need the GPU's paged decode kernel, full-precision weights and a family whose forward
+        a graph can replay."""
         model = self.model
         if self.gpu_attention is None or model.int4_max_tokens or model.kernels is not None:
+            logger.info("CUDA graphs off: they need the Triton paged decode kernel (a cache block of 16+) and no int4")
             return False
         if not model.family.graph_capturable:
+            logger.info("CUDA graphs off: this model family's forward cannot be replayed as a graph")
             return False
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            self.gpu_attention,
-            self.block_size,
-            self.scratch_block,
-            max_num_seqs,
-            max_model_len,
-            capture,
-            self.placeholders,
-        )
+        try:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.gpu_attention,
+                self.block_size,
+                self.scratch_block,
+                max_num_seqs,
+                max_model_len,
+                capture or (run_eagerly if eager else None),
+                self.placeholders,
+            )
+        except Exception as exc:
+            if eager or capture is not None:
+                raise
+            message = "capturing the decode steps as CUDA graphs failed; --enforce-eager runs without them"
+            raise RuntimeError(message) from exc
+        if eager:
+            logger.info("CUDA graphs off (--enforce-eager): decode steps run eagerly, padded to the graphs' buckets")
         return True
 
     def execute(
