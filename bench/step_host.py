@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import serve  # noqa: E402
 from engine.channel import StreamChannel  # noqa: E402
-from engine.model.attention import gpu_attention  # noqa: E402
+from engine.model.attention.triton_paged import gpu_attention  # noqa: E402
 from engine.model.causal_lm import HeadOutput  # noqa: E402
 from engine.model.graphs import run_eagerly  # noqa: E402
 from engine.tiny import tiny_engine, tiny_loaded  # noqa: E402

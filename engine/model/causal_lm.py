@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from engine.kernels.decoder import InvariantDecoder
 from engine.kernels.invariant import PackedLinear
 from engine.kv_cache import KVCache
-from engine.model.attention import AttentionMetadata, InvariantMetadata
+from engine.model.attention.invariant import InvariantMetadata
+from engine.model.attention.paged import AttentionMetadata
 from engine.model.families import decoder_of, family_of, vision_of
 from engine.model.layers import NO_FUSIONS, ExpertsKernel, Fusions, LayerOps, Replacement
 from engine.model.quant import Int4Weight

@@ -30,7 +30,7 @@ import torch
 
 from engine.future_tokens import resolved
 from engine.kv_cache import KVCache, flat_block_tables
-from engine.model.attention import GpuAttention, PagedDecode, TritonMetadata
+from engine.model.attention.triton_paged import GpuAttention, PagedDecode, TritonMetadata
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.kv_cache import KVCache
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.attention.paged import AttentionMetadata, paged_attention
 
 # What a linear layer or norm runs on instead of torch's module: a kernel's packed copy of its weights.
 Replacement = Callable[[torch.Tensor], torch.Tensor]

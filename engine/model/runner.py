@@ -13,14 +13,10 @@ import torch
 from engine.encoder_cache import EncoderCache
 from engine.images import ImageInput
 from engine.kv_cache import KVCache
-from engine.model.attention import (
-    AttentionMetadata,
-    InvariantMetadata,
-    TorchMetadata,
-    TritonMetadata,
-    gpu_attention,
-    image_key_ends,
-)
+from engine.model.attention.invariant import InvariantMetadata
+from engine.model.attention.paged import AttentionMetadata, image_key_ends
+from engine.model.attention.torch_sdpa import TorchMetadata
+from engine.model.attention.triton_paged import TritonMetadata, gpu_attention
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.graphs import DecodeGraphs, Replay, run_eagerly
 from engine.model.image_embedder import ImageEmbedder

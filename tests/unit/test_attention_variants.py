@@ -11,14 +11,10 @@ import pytest
 import torch
 
 from engine.kernels.native import load_library
-from engine.model.attention import (
-    GpuAttention,
-    InvariantMetadata,
-    TorchMetadata,
-    TritonMetadata,
-    image_key_ends,
-    paged_attention,
-)
+from engine.model.attention.invariant import InvariantMetadata
+from engine.model.attention.paged import image_key_ends, paged_attention
+from engine.model.attention.torch_sdpa import TorchMetadata
+from engine.model.attention.triton_paged import GpuAttention, TritonMetadata
 from tests.conftest import CACHE_DIR
 
 BLOCK_SIZE = 16

@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="the GPU's attention kernels are written in
 pytestmark = pytest.mark.interpreter
 
 from engine.config import SpeculativeConfig  # noqa: E402
-from engine.model.attention import gpu_attention  # noqa: E402
+from engine.model.attention.triton_paged import gpu_attention  # noqa: E402
 from engine.tiny import tiny_engine, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import collect  # noqa: E402

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.interpreter
 
 from engine.channel import StreamChannel  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
-from engine.model.attention import gpu_attention  # noqa: E402
+from engine.model.attention.triton_paged import gpu_attention  # noqa: E402
 from engine.model.graphs import CudaGraphCapture, batch_buckets, run_eagerly  # noqa: E402
 from engine.model.runner import Logits, ModelRunner, Segment  # noqa: E402
 from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded  # noqa: E402
