@@ -49,6 +49,10 @@ MAX_TOP_LOGPROBS = 20
 # Below this a temperature is greedy in effect, and is sampled as greedy: the sampler's 1 / temperature
 # would overflow a float32 (a temperature of 1e-308 failed the engine step with a 500).
 MIN_TEMPERATURE = 1e-5
+# Below this a repetition penalty is applied as this one, whose seen tokens already outweigh every other by
+# orders of magnitude: in float32 a smaller one overflows a logit it divides (1e-300 rounds to 0), and
+# infinite logits sampled tokens of no text.
+MIN_REPETITION_PENALTY = 1e-5
 
 
 class SamplingRequest(RequestModel):
@@ -191,7 +195,7 @@ class SamplingRequest(RequestModel):
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=max(self.repetition_penalty, MIN_REPETITION_PENALTY),
             logit_bias=tuple(sorted(bias.items())),
             stop=tuple(s for s in stop if s),
             stop_token_ids=frozenset(self.stop_token_ids or ()),

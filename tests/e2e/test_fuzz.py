@@ -120,3 +120,13 @@ def test_what_the_fuzzer_found_stays_fixed(api):
     # A completion's default of 16 tokens gives way to --max-tokens-limit (8) rather than refusing.
     response = httpx.post(f"{base}/v1/completions", json={"prompt": "0"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 8
+    # A repetition penalty of 1e-300 is 0 in float32: its infinite logits sampled tokens of no text. It
+    # now draws as 1e-5, below which the tokens seen already outweigh every other alike.
+    texts = [
+        httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "hello world", "seed": 0, "repetition_penalty": penalty, "max_tokens": 4},
+        ).json()["choices"][0]["text"]
+        for penalty in (1e-300, 1e-5)
+    ]
+    assert texts[0] == texts[1] != "", texts
