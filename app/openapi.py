@@ -16,6 +16,7 @@ from app.serving.protocol import ServingLimits
 from app.serving.request_rules import IMAGE_PART, TOKEN_ID
 
 _MAX_TOKENS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def install_openapi(app: FastAPI, limits: Callable[[], ServingLimits | None]) -> None:
@@ -29,6 +30,7 @@ def install_openapi(app: FastAPI, limits: Callable[[], ServingLimits | None]) ->
         for operations in document.get("paths", {}).values():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
+        _exact_integer_bounds(document)
         served = limits()
         if served is None:
             return document
@@ -58,6 +60,23 @@ def _bound_token_ids(node: Any, vocab_size: int) -> None:
                 node["maximum"] = vocab_size - 1
         for value in node.values():
             _bound_token_ids(value, vocab_size)
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """An integer's bounds as the integers the models declare. FastAPI's OpenAPI model reads every bound as a
+    float (a seed's -2**63 became -9.223372036854776e+18), and a validator that then compares in floats takes
+    a seed of -2**63 - 191 for a valid one, which the server refuses. Every integer bound the models
+    declare is a float exactly (small, or a power of two), so the float's value is the bound's."""
+    if isinstance(node, list):
+        for item in node:
+            _exact_integer_bounds(item)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _BOUNDS:
+                if isinstance(node.get(key), float) and node[key].is_integer():
+                    node[key] = int(node[key])
+        for value in node.values():
+            _exact_integer_bounds(value)
 
 
 def _drop_branches(node: Any, refs: set[str]) -> None:

@@ -130,3 +130,9 @@ def test_what_the_fuzzer_found_stays_fixed(api):
         for penalty in (1e-300, 1e-5)
     ]
     assert texts[0] == texts[1] != "", texts
+    # The document's integer bounds are exact: as floats (FastAPI's), a validator comparing in floats took
+    # a seed of -2**63 - 191 for one within -2**63, which the server refuses.
+    document = httpx.get(f"{base}/openapi.json").json()
+    seed = document["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]["anyOf"][0]
+    assert (seed["minimum"], seed["exclusiveMaximum"]) == (-(2**63), 2**64), seed
+    assert all(isinstance(bound, int) for bound in (seed["minimum"], seed["exclusiveMaximum"])), seed
