@@ -14,11 +14,12 @@ from app.serving.request_rules import (
     BEST_OF_ONE,
     LOGIT_BIAS,
     ONE_PROMPT,
+    ONLY_JSON_WITH_TOOLS,
     TOOL_CHOICE_NEEDS_TOOLS,
     TOP_LOGPROBS_NEED_LOGPROBS,
     UNCONSTRAINED,
     array_bounds,
-    output_constraint_rules,
+    one_output_constraint,
 )
 from app.serving.response_format import ResponseFormat, StructuredOutputs, json_spec
 from app.serving.tools import ToolUse
@@ -219,7 +220,8 @@ class ChatCompletionRequest(SamplingRequest):
             "allOf": [
                 TOP_LOGPROBS_NEED_LOGPROBS,
                 TOOL_CHOICE_NEEDS_TOOLS,
-                *output_constraint_rules(UNCONSTRAINED),
+                ONLY_JSON_WITH_TOOLS,
+                one_output_constraint(UNCONSTRAINED),
             ]
         }
     )
@@ -254,7 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [BEST_OF_ONE, *output_constraint_rules(UNCONSTRAINED)]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [BEST_OF_ONE, one_output_constraint(UNCONSTRAINED)]})
 
     prompt: str | list[Int] | list[str] | list[list[Int]] = Field(json_schema_extra=ONE_PROMPT)
     """One prompt: a text or its token ids (a batch of one is accepted too)."""

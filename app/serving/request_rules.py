@@ -31,36 +31,40 @@ UNCONSTRAINED = {
 }
 
 
-def output_constraint_rules(unconstrained: dict[str, dict]) -> list[dict]:
-    """What grammar() and the tools' grammar refuse, declared: at most one of these fields constrains
-    the output (one branch per field that may), and with tools in use only a JSON constraint may."""
-    at_most_one = {
+def one_output_constraint(unconstrained: dict[str, dict]) -> dict:
+    """What grammar() refuses, declared: at most one of these fields constrains the output (one branch per
+    field that may)."""
+    return {
         "anyOf": [
             {"properties": {other: schema for other, schema in unconstrained.items() if other != name}}
             for name in unconstrained
         ]
     }
-    not_json = {"type": "null"}
-    only_json_with_tools = {
-        "if": {
-            "required": ["tools"],
-            "properties": {"tools": {"type": "array", "minItems": 1}, "tool_choice": {"not": {"const": "none"}}},
-        },
-        "then": {
-            "properties": {
-                "guided_regex": not_json,
-                "guided_choice": not_json,
-                "guided_grammar": not_json,
-                "structured_outputs": {
-                    "anyOf": [
-                        {"type": "null"},
-                        {"properties": {"regex": not_json, "choice": not_json, "grammar": not_json}},
-                    ]
-                },
-            }
-        },
-    }
-    return [at_most_one, only_json_with_tools]
+
+
+_NOT_JSON = {"type": "null"}
+# What the tools' grammar refuses, declared, where a request reads tools (chat, Responses; a completion
+# ignores them, so declaring this there refused what the server accepts): with tools in use only a JSON
+# constraint may apply.
+ONLY_JSON_WITH_TOOLS = {
+    "if": {
+        "required": ["tools"],
+        "properties": {"tools": {"type": "array", "minItems": 1}, "tool_choice": {"not": {"const": "none"}}},
+    },
+    "then": {
+        "properties": {
+            "guided_regex": _NOT_JSON,
+            "guided_choice": _NOT_JSON,
+            "guided_grammar": _NOT_JSON,
+            "structured_outputs": {
+                "anyOf": [
+                    {"type": "null"},
+                    {"properties": {"regex": _NOT_JSON, "choice": _NOT_JSON, "grammar": _NOT_JSON}},
+                ]
+            },
+        }
+    },
+}
 
 
 # resolve_tool_use's first rule, as the OpenAPI document declares it.

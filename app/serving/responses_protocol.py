@@ -26,10 +26,11 @@ from app.serving.protocol import SamplingRequest
 from app.serving.request_rules import (
     IMAGE_PART,
     NOT_NULL_SCHEMA,
+    ONLY_JSON_WITH_TOOLS,
     TOOL_CHOICE_NEEDS_TOOLS,
     UNCONSTRAINED,
     array_bounds,
-    output_constraint_rules,
+    one_output_constraint,
     schema_needed,
 )
 from app.serving.response_format import format_grammar
@@ -130,7 +131,8 @@ class ResponsesRequest(SamplingRequest):
         json_schema_extra={
             "allOf": [
                 TOOL_CHOICE_NEEDS_TOOLS,
-                *output_constraint_rules(
+                ONLY_JSON_WITH_TOOLS,
+                one_output_constraint(
                     {
                         **UNCONSTRAINED,
                         "text": {
