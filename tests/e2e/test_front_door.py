@@ -102,9 +102,17 @@ def test_every_api_request_gets_one_audit_line_refused_ones_with_status_and_reas
         "models": 200,
         "no-route": 404,
     }
+    # A line is written once its answer is sent, so it may land just after the client has read the answer.
+    deadline = time.monotonic() + 10
+
+    def lines_by_name():
+        return {name: [line for line in audit_lines(audit) if line["request_id"] == f"a-{name}"] for name in sent}
+
+    while not all(lines_by_name().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     text = audit.read_text()
     assert wrong not in text and KEY not in text
-    lines = {name: [line for line in audit_lines(audit) if line["request_id"] == f"a-{name}"] for name in sent}
+    lines = lines_by_name()
     assert all(len(found) == 1 for found in lines.values()), lines
     line = {name: found[0] for name, found in lines.items()}
     for name, (method, path, _, _) in sent.items():
