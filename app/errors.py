@@ -107,9 +107,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(location) or None
+        # Of a union's branches, the one that got furthest into the value is the one the client meant.
+        first = max(exc.errors(), key=lambda error: len(error.get("loc", ())))
+        param = ".".join(_field_path(first.get("loc", ()))) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if param:
             message = f"{param}: {message}"
@@ -128,3 +128,29 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return JSONResponse(error_body(500, f"internal error: {exc}"), 500)
+
+
+# Branch labels pydantic puts in an error's location for a union's scalar members.
+_SCALAR_BRANCHES = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[str]:
+    """An error's location as the request's own fields: without "body", a union's branch labels
+    ("str", "list[tagged-union[...]]") and a tagged union's tag (`messages.0.content.0.image_url.url`,
+    not `...content.list[tagged-union[TextContentPart,ImageContentPart]].0.image_url.image_url.url`)."""
+    path: list[str] = []
+    tag = None  # where a tagged union's tag comes: "next" part, or after the list "index"
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, str) and ("[" in part or part in _SCALAR_BRANCHES):
+            if "tagged-union[" in part:
+                tag = "index" if part.startswith("list[") else "next"
+            continue
+        if tag == "next" and isinstance(part, str):
+            tag = None
+            continue
+        if tag == "index" and isinstance(part, int):
+            tag = "next"
+        path.append(str(part))
+    return path

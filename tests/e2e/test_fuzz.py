@@ -117,6 +117,25 @@ def test_what_the_fuzzer_found_stays_fixed(api):
         response = httpx.post(f"{base}/v1/completions", json={"prompt": prompt})
         assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
         assert EMPTY in response.json()["error"]["message"]
+    # A bad value inside a union (text or parts) is named by the request's own fields, not pydantic's branch
+    # labels (was "input.str: Input should be a valid string" for a list of parts).
+    part = {"type": "image_url", "image_url": {"url": 5}}
+    cases = (
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [part]}]},
+            "messages.0.content.0.image_url.url",
+        ),
+        ("/v1/responses", {"input": [{"type": "input_file", "file_id": "f"}]}, "input.0"),
+        (
+            "/v1/responses",
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input.0.content.0.text",
+        ),
+    )
+    for path, body, param in cases:
+        response = httpx.post(f"{base}{path}", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     # A completion's default of 16 tokens gives way to --max-tokens-limit (8) rather than refusing.
     response = httpx.post(f"{base}/v1/completions", json={"prompt": "0"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 8
