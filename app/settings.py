@@ -66,6 +66,12 @@ class Settings(BaseSettings):
     """Longest prompt + completion in tokens; defaults to the model's context length."""
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV-cache block."""
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The KV cache's element type, as vLLM's flag. auto: the model's (--dtype). On the batch-invariant CPU kernels,
+    bfloat16 or float16 halve a float32 model's cache (twice the tokens in --kv-cache-gib): each key and value is
+    rounded once as it is stored and widened exactly as it is read, so outputs stay deterministic and
+    batch-invariant, but are not bit-equal to a float32 cache's. Elsewhere (torch's kernels, a GPU,
+    --int4-max-tokens) a type other than the model's is refused at start."""
     kv_cache_gib: float | None = Field(None, gt=0)
     """Memory for the paged KV cache, in GiB. Default: 2 on a CPU; on a GPU, what --gpu-memory-utilization
     leaves once the weights are loaded and a step's activations are set aside."""

@@ -173,6 +173,7 @@ def _draft_model(settings: Settings, loaded: LoadedModel) -> PagedCausalLM | Non
         settings.device,
         settings.dtype,
         batch_invariant=settings.batch_invariant,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     if draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab() or draft.model.vocab_size != loaded.model.vocab_size:
         raise ValueError(f"the draft model {settings.draft_model} does not share the served model's tokenizer")
@@ -203,6 +204,7 @@ def build_engine(settings: Settings) -> tuple[LoadedModel, Engine]:
         settings.int4_max_tokens,
         settings.batch_invariant,
         quantize=None if settings.quantize == "none" else settings.quantize,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     draft_model = _draft_model(settings, loaded)
     max_model_len = min(settings.max_model_len or loaded.max_position_embeddings, loaded.max_position_embeddings)

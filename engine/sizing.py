@@ -124,6 +124,6 @@ def num_kv_blocks(kv_cache_bytes: int, block_size: int, *models: PagedCausalLM |
     """How many blocks of `block_size` tokens fit in `kv_cache_bytes` for these models' K/V (the
     target and its draft, which has a block for each of the target's)."""
     per_token = sum(
-        KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) for m in models if m is not None
+        KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.kv_dtype) for m in models if m is not None
     )
     return max(1, kv_cache_bytes // (per_token * block_size))

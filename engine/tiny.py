@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
@@ -146,10 +146,13 @@ def tiny_loaded(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     quantize: str | None = None,
+    hf_model: PreTrainedModel | None = None,
 ) -> LoadedModel:
     """`kernels_cache`: run on the batch-invariant kernels (as a server does by default), built there;
-    `quantize` ("q8_0", "q4_1") quantizes the weights for them."""
-    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size).to(device=device, dtype=dtype)
+    `quantize` ("q8_0", "q4_1") quantizes the weights for them. `hf_model`: the model to load (a test's own
+    weights) instead of tiny_hf_model's of `model_type`."""
+    hf = tiny_hf_model(model_type, repetitive=repetitive, vocab_size=vocab_size) if hf_model is None else hf_model
+    hf = hf.to(device=device, dtype=dtype)
     model = PagedCausalLM(hf)
     if kernels_cache is not None:
         use_invariant_kernels(model, hf, kernels_cache, quantize=quantize)

@@ -51,9 +51,10 @@ struct Step {
   int64_t scalar;  // the linear layers' portable variant
   const float* cos;  // [tokens, head_dim]
   const float* sin;
-  float* key_cache;  // [layers, slots, kv_heads, head_dim]
-  float* value_cache;
-  int64_t layer_stride;  // floats per layer of a cache
+  int64_t cache_dtype;  // sluice::CacheDtype
+  void* key_cache;      // [layers, slots, kv_heads, head_dim]
+  void* value_cache;
+  int64_t layer_stride;  // elements per layer of a cache
   const int64_t* slot_mapping;  // [tokens]
   const int64_t* block_tables;  // [requests, table_width]
   int64_t table_width, block_size;
@@ -96,6 +97,23 @@ Share linear_share(const Linear& w, bool scalar, const float* x, int64_t rows, f
   return columns;
 }
 
+// n floats into the cache's elements, each rounded to nearest even as torch's Tensor.to rounds them.
+void store(int64_t cache_dtype, const float* x, int64_t n, void* out) {
+  if (cache_dtype == sluice::kCacheF32) {
+    memcpy(out, x, n * sizeof(float));
+  } else if (cache_dtype == sluice::kCacheBF16) {
+    uint16_t* y = (uint16_t*)out;
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      memcpy(&bits, x + i, 4);
+      y[i] = x[i] != x[i] ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
+  } else {
+    uint16_t* y = (uint16_t*)out;
+    for (int64_t i = 0; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+  }
+}
+
 // x * cos + rotate_half(x) * sin for one head, as layers.Rotary.apply computes it.
 void rotate(float* x, const float* cos, const float* sin, int64_t head_dim) {
   const int64_t half = head_dim / 2;
@@ -118,8 +136,9 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
   linear_share(layer.v, scalar, x, t_dim, v);
 #pragma omp barrier
   // 2) Per-head norms, rotary, and this step's keys and values into the cache.
-  float* key_cache = s.key_cache + index * s.layer_stride;
-  float* value_cache = s.value_cache + index * s.layer_stride;
+  const int64_t element_bytes = s.cache_dtype == sluice::kCacheF32 ? 4 : 2;
+  char* key_cache = (char*)s.key_cache + index * s.layer_stride * element_bytes;
+  char* value_cache = (char*)s.value_cache + index * s.layer_stride * element_bytes;
   const int64_t slot_stride = s.kv_heads * hd;
   const Share tokens = share(t_dim);
   for (int64_t t = tokens.first; t < tokens.last; ++t) {
@@ -142,8 +161,9 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
       }
       rotate(head, cos, sin, hd);
     }
-    memcpy(key_cache + s.slot_mapping[t] * slot_stride, k + t * slot_stride, slot_stride * sizeof(float));
-    memcpy(value_cache + s.slot_mapping[t] * slot_stride, v + t * slot_stride, slot_stride * sizeof(float));
+    const int64_t slot = s.slot_mapping[t] * slot_stride * element_bytes;
+    store(s.cache_dtype, k + t * slot_stride, slot_stride, key_cache + slot);
+    store(s.cache_dtype, v + t * slot_stride, slot_stride, value_cache + slot);
   }
 #pragma omp barrier
   // 3) Attention, a (token, KV head) item at a time; its query heads back to back while its keys are in cache.
@@ -155,7 +175,8 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
     const int64_t first = layer.window > 0 ? std::max<int64_t>(0, n - layer.window) : 0;
     for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
       const int64_t offset = (t * s.heads + h) * hd;
-      sluice::attend_head(q + offset, hd, key_cache + kv * hd, value_cache + kv * hd, slot_stride,
+      sluice::attend_head(s.cache_dtype, q + offset, hd, key_cache + kv * hd * element_bytes,
+                          value_cache + kv * hd * element_bytes, slot_stride,
                           s.block_tables + s.table_rows[t] * s.table_width, s.block_size, first, n, s.scale, 0.0f,
                           -INFINITY, scores, attended + offset);
     }

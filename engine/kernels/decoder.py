@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.kernels.invariant import KernelAttentionMetadata, PackedLinear
+from engine.kernels.invariant import CACHE_DTYPES, KernelAttentionMetadata, PackedLinear
 from engine.kv_cache import KVCache
 
 # Norm classes computing Llama's RMSNorm, w * (x * rsqrt(mean(x^2) + eps)), in float32 (Gemma's 1 + w is not).
@@ -61,6 +61,7 @@ class _Step(ctypes.Structure):
         ("scalar", ctypes.c_int64),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
+        ("cache_dtype", ctypes.c_int64),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
         ("layer_stride", ctypes.c_int64),
@@ -173,12 +174,12 @@ class InvariantDecoder:
 
     def runs(self, cos: torch.Tensor, kv_cache: KVCache) -> bool:
         """Whether a step with these rotary tables [T, 1, rotary_dim] and cache runs here: float32 tables as wide
-        as the head (partial rotary is not decoder.cpp's), a float32 cache."""
+        as the head (partial rotary is not decoder.cpp's), a cache of one of CACHE_DTYPES."""
         return (
             cos.dtype == torch.float32
             and cos.shape[-1] == self.head_dim
             and cos.is_contiguous()
-            and kv_cache.key.dtype == torch.float32
+            and kv_cache.key.dtype in CACHE_DTYPES
         )
 
     def __call__(
@@ -204,6 +205,7 @@ class InvariantDecoder:
             self.scalar,
             cos.data_ptr(),
             sin.data_ptr(),
+            CACHE_DTYPES[key.dtype],
             key.data_ptr(),
             value.data_ptr(),
             key.stride(0),

@@ -394,11 +394,31 @@ void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
       for (int64_t g = 0; g < groups; ++g) column(n, g, wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes);
 }
 
+// The KV cache's element types (CacheDtype), 8 elements widened to float32 exactly. A cache in bfloat16 or
+// float16 holds each key and value rounded once as it was stored (to nearest even: torch's Tensor.to in
+// paged_attention, decoder.cpp's store); attention reads them widened, the same values whichever step wrote
+// them, so a token's output still depends on its own request alone.
+struct CacheF32 {
+  using Element = float;
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+};
+struct CacheBF16 {
+  using Element = uint16_t;
+  static __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+};
+struct CacheF16 {
+  using Element = uint16_t;
+  static __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+};
+
 // One query head over keys [first, n) of its request: all n of them, or with a sliding window only
 // the last ones. `softcap` > 0 caps each score at softcap * tanh(score / softcap) (Gemma 2); `sink`
 // (else -inf) is a learned logit that joins the softmax's max and denominator without a value
 // (gpt-oss), so the weights of the keys sum to less than one.
-void attend(const float* q, int64_t head_dim, const float* k_cache, const float* v_cache, int64_t slot_stride,
+template <class C, class E = typename C::Element>
+void attend(const float* q, int64_t head_dim, const E* k_cache, const E* v_cache, int64_t slot_stride,
             const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap, float sink,
             float* scores, float* out) {
   const int64_t vecs = head_dim / 8;
@@ -414,12 +434,12 @@ void attend(const float* q, int64_t head_dim, const float* k_cache, const float*
   float best = -INFINITY;
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
-    const float* keys[4] = {key_at(j), key_at(j + 1), key_at(j + 2), key_at(j + 3)};
+    const E* keys[4] = {key_at(j), key_at(j + 1), key_at(j + 2), key_at(j + 3)};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t d = 0; d < vecs; ++d) {
       const __m256 query = _mm256_loadu_ps(q + d * 8);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys[i] + d * 8), acc[i]);
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(query, C::load8(keys[i] + d * 8), acc[i]);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
@@ -428,10 +448,10 @@ void attend(const float* q, int64_t head_dim, const float* k_cache, const float*
     }
   }
   for (; j < count; ++j) {
-    const float* key = key_at(j);
+    const E* key = key_at(j);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < vecs; ++d)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 8), _mm256_loadu_ps(key + d * 8), acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 8), C::load8(key + d * 8), acc);
     scores[j] = hsum(acc) * scale;
     best = std::max(best, scores[j]);
   }
@@ -464,9 +484,9 @@ void attend(const float* q, int64_t head_dim, const float* k_cache, const float*
   for (int64_t i = 0; i < count; ++i) {
     const int64_t j = first + i;
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const float* value = v_cache + slot * slot_stride;
+    const E* value = v_cache + slot * slot_stride;
     const __m256 p = _mm256_set1_ps(scores[i]);
-    for (int64_t d = 0; d < vecs; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + d * 8), acc[d]);
+    for (int64_t d = 0; d < vecs; ++d) acc[d] = _mm256_fmadd_ps(p, C::load8(value + d * 8), acc[d]);
   }
   const __m256 norm = _mm256_set1_ps(inverse);
   for (int64_t d = 0; d < vecs; ++d) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], norm));
@@ -496,10 +516,23 @@ void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, in
   }
 }
 
-void attend_head(const float* q, int64_t head_dim, const float* k_cache, const float* v_cache, int64_t slot_stride,
-                 const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap,
-                 float sink, float* scores, float* out) {
-  attend(q, head_dim, k_cache, v_cache, slot_stride, table, block_size, first, n, scale, softcap, sink, scores, out);
+void attend_head(int64_t cache_dtype, const float* q, int64_t head_dim, const void* k_cache, const void* v_cache,
+                 int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale,
+                 float softcap, float sink, float* scores, float* out) {
+  switch (cache_dtype) {
+    case kCacheF32:
+      attend<CacheF32>(q, head_dim, (const float*)k_cache, (const float*)v_cache, slot_stride, table, block_size, first,
+                       n, scale, softcap, sink, scores, out);
+      break;
+    case kCacheBF16:
+      attend<CacheBF16>(q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride, table,
+                        block_size, first, n, scale, softcap, sink, scores, out);
+      break;
+    case kCacheF16:
+      attend<CacheF16>(q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride, table,
+                       block_size, first, n, scale, softcap, sink, scores, out);
+      break;
+  }
 }
 
 }  // namespace sluice
@@ -599,13 +632,14 @@ void sl_grouped_linear(int64_t form, int64_t scalar, const float* x, int64_t k_d
 }
 
 // out[T, H, D]: query t, head h attends to the first context_lens[t] keys of the request
-// whose block table is block_tables[table_rows[t]], in the layer's cache [slots, KVH, D]; with
+// whose block table is block_tables[table_rows[t]], in the layer's cache [slots, KVH, D] of elements
+// `cache_dtype` (CacheDtype in invariant.h); with
 // window > 0 only to the last `window` of them (positions (p - window, p] for the query at p).
 // key_ends (else null) lets a query read past itself, to key_ends[t] (an image's tokens that see their
 // whole image: Gemma 3); a window still starts from its own position, context_lens[t] - window.
 // softcap > 0 caps the scores (attend); sinks (else null) holds a logit per query head.
-void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
-                        const float* k_cache, const float* v_cache, int64_t num_kv_heads,
+void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, int64_t head_dim, int64_t cache_dtype,
+                        const void* k_cache, const void* v_cache, int64_t num_kv_heads,
                         const int64_t* block_tables, int64_t table_width, int64_t block_size,
                         const int64_t* table_rows, const int64_t* context_lens, const int64_t* key_ends,
                         float scale, int64_t window, float softcap, const float* sinks, float* out) {
@@ -615,6 +649,7 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
   for (int64_t t = 0; t < num_tokens; ++t) longest = std::max(longest, key_end(t) - first_key(t));
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t element_bytes = cache_dtype == sluice::kCacheF32 ? 4 : 2;
 #pragma omp parallel
   {
     std::vector<float> scores(longest + 8);
@@ -626,9 +661,10 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
       const int64_t n = key_end(t), first = first_key(t);
       for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
         const int64_t offset = (t * num_heads + h) * head_dim;
-        attend(q + offset, head_dim, k_cache + kv * head_dim, v_cache + kv * head_dim, slot_stride,
-               block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
-               sinks == nullptr ? -INFINITY : sinks[h], scores.data(), out + offset);
+        sluice::attend_head(cache_dtype, q + offset, head_dim, (const char*)k_cache + kv * head_dim * element_bytes,
+                            (const char*)v_cache + kv * head_dim * element_bytes, slot_stride,
+                            block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
+                            sinks == nullptr ? -INFINITY : sinks[h], scores.data(), out + offset);
       }
     }
   }

@@ -13,10 +13,14 @@ namespace sluice {
 void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
                     int64_t n_dim, float* y, int64_t p_first, int64_t p_last);
 
+// The KV cache's element type (KVCache's dtype, CACHE_DTYPES in engine/kernels/invariant.py).
+enum CacheDtype : int64_t { kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2 };
+
 // One query head q over keys [first, n) of its request, read through its block `table` from the layer's
-// caches (slots `slot_stride` floats apart), into out; `scores` holds at least n - first + 8 floats.
-void attend_head(const float* q, int64_t head_dim, const float* k_cache, const float* v_cache, int64_t slot_stride,
-                 const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap,
-                 float sink, float* scores, float* out);
+// caches of `cache_dtype` (slots `slot_stride` elements apart), into out; `scores` holds at least n - first + 8
+// floats.
+void attend_head(int64_t cache_dtype, const float* q, int64_t head_dim, const void* k_cache, const void* v_cache,
+                 int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale,
+                 float softcap, float sink, float* scores, float* out);
 
 }  // namespace sluice

@@ -34,6 +34,9 @@ class WeightForm(IntEnum):
 # A GGUF block's bytes, per form.
 BLOCK_BYTES = {WeightForm.Q8_0: 34, WeightForm.Q4_1: 20}
 
+# The KV cache dtypes the attention kernel reads, widening each element exactly (CacheDtype in invariant.h).
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 @dataclass(frozen=True)
 class PackedLinear:
@@ -142,8 +145,8 @@ def invariant_paged_attention(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] over the cached keys and values [slots, KVH, D] (this step's already written).
-    `window` > 0: a query at position p reads keys (p - window, p] only (up to its key end where
+    """q [T, H, D] over the cached keys and values [slots, KVH, D] of one of CACHE_DTYPES (this step's already
+    written). `window` > 0: a query at position p reads keys (p - window, p] only (up to its key end where
     meta.key_ends gives one); `softcap` > 0: scores become
     softcap * tanh(score / softcap); `sinks` [H] float32: a logit per head that joins each softmax's
     denominator with no value."""
@@ -155,6 +158,7 @@ def invariant_paged_attention(
         num_tokens,
         num_heads,
         head_dim,
+        CACHE_DTYPES[k_cache.dtype],
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k_cache.shape[1],

@@ -162,6 +162,7 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
         _I,
         _I,
         _I,
+        _I,
         _P,
         _P,
         _I,

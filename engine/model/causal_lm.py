@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.kernels.decoder import InvariantDecoder
-from engine.kernels.invariant import PackedLinear
+from engine.kernels.invariant import CACHE_DTYPES, PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention.invariant import InvariantMetadata
 from engine.model.attention.paged import AttentionMetadata
@@ -79,6 +79,8 @@ class PagedCausalLM:
         self.vocab_size = config.vocab_size
         self.max_position_embeddings: int = config.max_position_embeddings
         self.dtype = hf_model.dtype
+        # The KV cache's element type: the model's, or a narrower one on the CPU kernels (use_kv_dtype).
+        self.kv_dtype = self.dtype
         self.device = hf_model.device
         self.int4_max_tokens = 0
         self._int4: dict[torch.nn.Linear, Int4Weight] = {}
@@ -116,6 +118,18 @@ class PagedCausalLM:
         self._experts = experts or {}
         self._decoder = decoder
         self._replacements_changed()
+
+    def use_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the KV cache in `dtype` (--kv-cache-dtype). Other than the model's only on the batch-invariant CPU
+        kernels without int4 steps: their attention widens a bfloat16 or float16 cache exactly as it reads it;
+        torch's SDPA and the GPU's kernels would read it as another type, so they refuse."""
+        if dtype != self.dtype and (self.kernels is None or self.int4_max_tokens or dtype not in CACHE_DTYPES):
+            raise ValueError(
+                f"--kv-cache-dtype {str(dtype).removeprefix('torch.')} differs from the model's "
+                f"{str(self.dtype).removeprefix('torch.')} and needs the batch-invariant CPU kernels without int4 "
+                "steps (leave out --kv-cache-dtype, or pass the model's type)"
+            )
+        self.kv_dtype = dtype
 
     def use_gpu_kernels(
         self,

@@ -179,9 +179,11 @@ def load_model(
     int4_max_tokens: int | None = 0,
     batch_invariant: bool = False,
     quantize: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Load `model` (a local HF folder, or None for the embedded default) onto the device; `quantize`
-    ("q8_0" or "q4_1") quantizes its linear layers for the batch-invariant kernels."""
+    ("q8_0" or "q4_1") quantizes its linear layers for the batch-invariant kernels; `kv_cache_dtype` (a torch
+    dtype's name, or "auto": the model's) is the KV cache's, other than the model's only on those kernels."""
     path, name = _model_folder(model, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, batch_invariant)
@@ -237,6 +239,8 @@ def load_model(
             raise ValueError(f"--quantize {quantize} needs the batch-invariant CPU kernels, which cannot run here")
         if int4_tokens and paged.kernels is not None:
             logger.warning("--int4-max-tokens %d: steps that small run int4; batch invariance is off", int4_tokens)
+    if kv_cache_dtype != "auto":
+        paged.use_kv_dtype(getattr(torch, kv_cache_dtype))
     eos = _eos_token_ids(hf_model.generation_config.eos_token_id, tokenizer)
     return LoadedModel(
         model=paged,

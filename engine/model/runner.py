@@ -80,7 +80,7 @@ class ModelRunner:
             block_size=block_size,
             num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim,
-            dtype=model.dtype,
+            dtype=model.kv_dtype,
             device=model.device,
         )
 

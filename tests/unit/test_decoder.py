@@ -1,6 +1,7 @@
 """The decoder layers in one native call (engine/kernels/decoder.py) give the bits of the same layers run op by
 op in torch over the invariant kernels: prompts, chunks and decodes mixed, in the vector and the portable
-linear variant, for each family whose layer is Llama's (biases, per-head norms and windows included)."""
+linear variant, for each family whose layer is Llama's (biases, per-head norms and windows included), and over a
+bfloat16 or float16 KV cache."""
 
 import asyncio
 import dataclasses
@@ -55,6 +56,19 @@ async def test_one_call_gives_the_layer_by_layer_bits(default_tokenizer, model_t
     model._decoder = None
     assert torch.equal(teacher_forced_logits(tiny_engine(loaded), prompt), fused_logits)
     assert torch.equal(scalar_logits, fused_logits)
+    assert await _outputs(loaded) == fused
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16], ids=str)
+async def test_a_narrower_cache_rounds_alike_in_one_call_and_op_by_op(default_tokenizer, kv_dtype):
+    loaded = tiny_loaded(default_tokenizer, "qwen2", kernels_cache=CACHE_DIR)
+    model = loaded.model
+    _random_norms(model)
+    float32 = await _outputs(loaded)
+    model.use_kv_dtype(kv_dtype)
+    fused = await _outputs(loaded)
+    assert fused != float32
+    model._decoder = None
     assert await _outputs(loaded) == fused
 
 

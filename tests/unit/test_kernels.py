@@ -72,3 +72,15 @@ def test_attention_matches_sdpa_and_a_query_reads_the_same_alone_or_in_a_chunk(l
         torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-5)
         alone = _paged(library, q[t : t + 1], cache, [tables[rows[t]]], [0], [lens[t]])
         assert torch.equal(alone[0], out[t]), t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_attention_reads_a_narrower_cache_as_its_exact_values(library, dtype):
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = 6, 2, 64
+    narrow = (torch.randn(200, kv_heads, head_dim).to(dtype), torch.randn(200, kv_heads, head_dim).to(dtype))
+    tables = [[7, 3, 30, 12, 44, 1, 9, 20, 33], [5, 40, 2, 18, 0, 0, 0, 0, 0]]
+    q = torch.randn(12, heads, head_dim)
+    rows, lens = [0] * 10 + [1, 1], [*range(21, 31), 16, 14]
+    widened = tuple(c.float() for c in narrow)
+    assert torch.equal(_paged(library, q, narrow, tables, rows, lens), _paged(library, q, widened, tables, rows, lens))

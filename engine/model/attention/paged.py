@@ -37,6 +37,9 @@ def paged_attention(
     only (a sliding window); `softcap` > 0, scores become softcap * tanh(score / softcap); `sinks`
     [H] float32, a learned logit per head that joins each softmax's max and denominator but adds no
     value (gpt-oss)."""
+    if k.dtype != k_cache.dtype:
+        # A narrower cache (--kv-cache-dtype): each key and value rounded once, to nearest even, as stored.
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     return meta.attend(q, k, v, k_cache, v_cache, scale, window, softcap, sinks)
