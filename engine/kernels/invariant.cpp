@@ -492,13 +492,15 @@ void attend(const float* q, int64_t head_dim, const E* k_cache, const E* v_cache
   for (int64_t d = 0; d < vecs; ++d) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], norm));
 }
 
+// Rows rows[i] (all N where rows is null) of the weight [N, K] widened, into w[i].
 template <class F>
-void unpack_panels(const uint8_t* wp, int64_t n_dim, int64_t k_dim, float* w) {
-#pragma omp parallel for
-  for (int64_t n = 0; n < n_dim; ++n) {
+void unpack_panels(const uint8_t* wp, int64_t count, int64_t k_dim, const int64_t* rows, float* w) {
+#pragma omp parallel for if (count > 64)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = rows == nullptr ? i : rows[i];
     const uint8_t* panel = wp + (n / kPanel) * panel_bytes<F>(k_dim);
     for (int64_t k = 0; k < k_dim; ++k)
-      w[n * k_dim + k] = F::scalar(panel + k / F::kGroup * F::kGroupBytes, (int)(k % F::kGroup), (int)(n % kPanel));
+      w[i * k_dim + k] = F::scalar(panel + k / F::kGroup * F::kGroupBytes, (int)(k % F::kGroup), (int)(n % kPanel));
   }
 }
 
@@ -598,11 +600,26 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
 // against the float32 weight it stands for.
 void sl_unpack(int64_t form, const uint8_t* wp, int64_t n_dim, int64_t k_dim, float* w) {
   switch (form) {
-    case kF32: unpack_panels<F32>(wp, n_dim, k_dim, w); break;
-    case kBF16: unpack_panels<BF16>(wp, n_dim, k_dim, w); break;
-    case kQ8_0: unpack_panels<Q8_0>(wp, n_dim, k_dim, w); break;
-    case kQ4_1: unpack_panels<Q4_1>(wp, n_dim, k_dim, w); break;
+    case kF32: unpack_panels<F32>(wp, n_dim, k_dim, nullptr, w); break;
+    case kBF16: unpack_panels<BF16>(wp, n_dim, k_dim, nullptr, w); break;
+    case kQ8_0: unpack_panels<Q8_0>(wp, n_dim, k_dim, nullptr, w); break;
+    case kQ4_1: unpack_panels<Q4_1>(wp, n_dim, k_dim, nullptr, w); break;
   }
+}
+
+// w [count, K] float32: rows[i] of a packed weight [N, K] widened (a tied output head read back as its input
+// embedding); 0, or -1 with nothing written where a row is outside [0, N).
+int64_t sl_unpack_rows(int64_t form, const uint8_t* wp, int64_t n_dim, int64_t k_dim, const int64_t* rows,
+                       int64_t count, float* w) {
+  for (int64_t i = 0; i < count; ++i)
+    if (rows[i] < 0 || rows[i] >= n_dim) return -1;
+  switch (form) {
+    case kF32: unpack_panels<F32>(wp, count, k_dim, rows, w); break;
+    case kBF16: unpack_panels<BF16>(wp, count, k_dim, rows, w); break;
+    case kQ8_0: unpack_panels<Q8_0>(wp, count, k_dim, rows, w); break;
+    case kQ4_1: unpack_panels<Q4_1>(wp, count, k_dim, rows, w); break;
+  }
+  return 0;
 }
 
 // y[M, N] = x[M, K] @ W.T, W packed by sl_pack in `form`; block_max as `linear` says. `scalar` runs the

@@ -118,6 +118,35 @@ class PackedLinear:
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class PackedEmbedding(torch.nn.Module):
+    """An input embedding read from its tied output head's packed weight, whose row n is token n's: the same
+    float32 values where the head's form widens exactly to the weight (the loader keeps no other), without a
+    float32 copy of the table beside the packed one."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        self.head = head
+        self.num_embeddings = head.out_features
+        self.embedding_dim = head.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.embedding_dim, dtype=torch.float32)
+        head = self.head
+        found = head.library.sl_unpack_rows(
+            head.form,
+            head.panels.data_ptr(),
+            head.out_features,
+            head.in_features,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
+        )
+        if found < 0:
+            raise IndexError(f"a token id outside the vocabulary of {self.num_embeddings}")
+        return out.view(*input_ids.shape, self.embedding_dim)
+
+
 @dataclass
 class KernelAttentionMetadata:
     """Which keys each query token reads, for sl_paged_attention in `library`."""

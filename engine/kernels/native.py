@@ -151,6 +151,8 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.sl_pack.restype = None
     library.sl_unpack.argtypes = [_I, _P, _I, _I, _P]
     library.sl_unpack.restype = None
+    library.sl_unpack_rows.argtypes = [_I, _P, _I, _I, _P, _I, _P]
+    library.sl_unpack_rows.restype = _I
     library.sl_grouped_linear.argtypes = [_I, _I, _P, _I, _P, _I, _P, _I, _I, _P]
     library.sl_grouped_linear.restype = None
     library.sl_moe_route.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P]

@@ -35,7 +35,7 @@ from transformers import (  # noqa: E402
 from engine.detokenizer import TokenBytes  # noqa: E402
 from engine.kernels.decoder import InvariantDecoder  # noqa: E402
 from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  # noqa: E402
-from engine.kernels.invariant import PackedLinear, WeightForm  # noqa: E402
+from engine.kernels.invariant import PackedEmbedding, PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import (  # noqa: E402
@@ -463,6 +463,22 @@ def use_invariant_kernels(
             if module.weight.data_ptr() not in shared:
                 module.weight.data = torch.empty(0)
     experts = {block: _pack_experts(library, block) for block in sparse_blocks(paged.decoder_modules[0])}
+    embeddings, head = paged.embed_tokens, packed.get(paged.lm_head)
+    if (
+        quantize is None
+        and type(embeddings) is torch.nn.Embedding
+        and embeddings.max_norm is None
+        and head is not None
+        and paged.lm_head.weight is embeddings.weight
+    ):
+        # Tied: the head's packed copy holds the embedding's values exactly (_pack_as_shipped keeps no other).
+        paged.embed_tokens = PackedEmbedding(head)
+        embeddings.weight.data = torch.empty(0)
+    # What is left (norms, an untied embedding) may still be views of the checkpoint's memory map, and one view
+    # keeps the whole map, which packing read through, resident: copied out of it, the map goes.
+    for parameter in hf_model.parameters():
+        if parameter.numel():
+            parameter.data = parameter.data.clone()
     family = paged.family
     decoder = None
     if family.llama_layer:

@@ -4,13 +4,15 @@ bit for bit the float32 kernel over the same weights converted to float32 as the
 and the scalar variant alike."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
+from safetensors import safe_open
 
-from engine.kernels.invariant import BLOCK_BYTES, PackedLinear, WeightForm
+from engine.kernels.invariant import BLOCK_BYTES, PackedEmbedding, PackedLinear, WeightForm
 from engine.kernels.native import load_library
 from engine.model.loader import load_model
 from engine.tiny import tiny_hf_model
@@ -116,3 +118,32 @@ def _saved(hf, folder, tokenizer) -> tuple:
     hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder), folder / "cache", "cpu", "auto", 0, True
+
+
+def test_a_tied_head_serves_as_the_input_embedding_and_the_checkpoint_is_unmapped(tmp_path, default_tokenizer):
+    hf = tiny_hf_model(repetitive=True)  # tied embeddings
+    loaded = load_model(*_saved(hf, tmp_path / "tied", default_tokenizer))
+    embeddings = loaded.model.embed_tokens
+    assert isinstance(embeddings, PackedEmbedding)
+    assert loaded.model.lm_head.weight.numel() == 0  # the float32 table is freed
+    ids = torch.tensor([[0, 5, 511], [7, 7, 300]])
+    assert torch.equal(embeddings(ids).view(torch.int32), hf.get_input_embeddings()(ids).view(torch.int32))
+    for outside in (512, -1):
+        with pytest.raises(IndexError, match="outside the vocabulary of 512"):
+            embeddings(torch.tensor([3, outside]))
+    # No parameter left in the checkpoint's memory map, which would keep the whole file resident.
+    assert str(tmp_path / "tied" / "model.safetensors") not in Path("/proc/self/maps").read_text()
+    untied = load_model(*_saved(tiny_hf_model(), tmp_path / "untied", default_tokenizer))
+    assert type(untied.model.embed_tokens) is torch.nn.Embedding
+
+
+@pytest.mark.slow
+def test_the_default_models_tied_head_gives_its_float32_embedding_bit_for_bit(default_model_path):
+    with safe_open(default_model_path / "model.safetensors", "pt") as checkpoint:
+        expected = checkpoint.get_tensor("model.embed_tokens.weight")
+    loaded = load_model(None, CACHE_DIR, "cpu", "auto", None, True)
+    embeddings = loaded.model.embed_tokens
+    assert isinstance(embeddings, PackedEmbedding)
+    assert embeddings.head.form == WeightForm.Q8_0
+    every_id = torch.arange(expected.shape[0])
+    assert torch.equal(embeddings(every_id).view(torch.int32), expected.view(torch.int32))
