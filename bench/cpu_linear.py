@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels.invariant import BLOCK_BYTES, PackedLinear, WeightForm  # noqa: E402
-from engine.kernels.native import bind, load_library, runnable_variants  # noqa: E402
+from engine.kernels.cpu.invariant import BLOCK_BYTES, PackedLinear, WeightForm  # noqa: E402
+from engine.kernels.cpu.native import bind, load_library, runnable_variants  # noqa: E402
 
 SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
 

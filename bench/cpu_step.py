@@ -1,6 +1,6 @@
 """A decode step of the default model on the CPU kernels, several ways taking turns in one process: the
-decoder layers in one native call (engine/kernels/decoder.py) or op by op in torch, on each variant of the
-kernels this CPU runs (engine/kernels/native.py; every variant gives the same bits).
+decoder layers in one native call (engine/kernels/cpu/decoder.py) or op by op in torch, on each variant of the
+kernels this CPU runs (engine/kernels/cpu/native.py; every variant gives the same bits).
 
     python bench/cpu_step.py                              # one call against op by op, 1 and 8 streams
     python bench/cpu_step.py --streams 1 8 32 64 --rounds 10
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from engine.kernels.native import load_library, runnable_variants  # noqa: E402
+from engine.kernels.cpu.native import load_library, runnable_variants  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels.gpu_invariant import InvariantRMSNorm, LinearConfig, invariant_linear, linear_config  # noqa: E402
+from engine.kernels.gpu.invariant import InvariantRMSNorm, LinearConfig, invariant_linear, linear_config  # noqa: E402
 
 # (hidden, intermediate, query heads, KV heads, head size, vocabulary, layers)
 SHAPES = {

@@ -11,7 +11,7 @@ many rows the two drew the same token (the same uniforms; they differ only where
 sum moves a boundary). Logits are Gaussian at two scales: peaked rows (x3) and nearly flat ones (x0.1).
 With `--cold`, a 64 MiB buffer (twice this machine's L3) is written before every timed call, so the
 logits come from memory as they do in the engine, where the output head wrote them long before.
-With `--device cuda` both paths run on the GPU (the kernel is engine/kernels/gpu_sampling.py; no block
+With `--device cuda` both paths run on the GPU (the kernel is engine/kernels/gpu/sampling.py; no block
 maxima there), and a timed call includes the copy of the tokens to the host, as in the engine.
 
 First it prints how long one read of the step's logits takes (torch's sum of them, timed the same
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels.native import load_library  # noqa: E402
+from engine.kernels.cpu.native import load_library  # noqa: E402
 from engine.sampling.sampler import BLOCK, Sampler, device_kernel  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 

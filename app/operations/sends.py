@@ -21,7 +21,7 @@ import ctypes
 from array import array
 from pathlib import Path
 
-from engine.kernels.native import build_shared_library
+from engine.kernels.cpu.native import build_shared_library
 
 _SOURCE = Path(__file__).with_name("sends.cpp")
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")

@@ -1,1 +1,3 @@
-"""Kernels of Sluice's own: batch-invariant float32 linear layers and paged attention for x86 CPUs."""
+"""Kernels of Sluice's own: cpu/ the C++ ones (batch-invariant linear layers, attention, whole decoder layers,
+experts and the sampler, built on first start), gpu/ the Triton ones (paged attention, batch-invariant layers,
+fusions and the sampler)."""

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from engine.kernels.decoder import InvariantDecoder
-from engine.kernels.invariant import CACHE_DTYPES, PackedLinear
+from engine.kernels.cpu.decoder import InvariantDecoder
+from engine.kernels.cpu.invariant import CACHE_DTYPES, PackedLinear
 from engine.kv_cache import KVCache
 from engine.model.attention.invariant import InvariantMetadata
 from engine.model.attention.paged import AttentionMetadata
@@ -22,7 +22,7 @@ from engine.model.quant import Int4Weight
 
 if TYPE_CHECKING:
     # Triton: on a CPU only in the dev extras, so imported where a GPU uses it.
-    from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
+    from engine.kernels.gpu.invariant import InvariantLinear, InvariantRMSNorm
 
 
 @dataclass(frozen=True)

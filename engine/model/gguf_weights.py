@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from engine.kernels.invariant import WeightForm
+from engine.kernels.cpu.invariant import WeightForm
 
 _FORMS = {GGMLQuantizationType.Q8_0: WeightForm.Q8_0, GGMLQuantizationType.Q4_1: WeightForm.Q4_1}
 # A decoder layer's projection, by its Llama module name, to its GGUF tensor's.

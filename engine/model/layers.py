@@ -25,13 +25,13 @@ GroupReplacement = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 @dataclass(frozen=True)
 class Fusions:
     """Kernels that do in one launch what several of torch's ops do, each giving the unfused path's bits
-    (the GPU's, engine/kernels/gpu_*.py; none elsewhere): a decode step of a small model is mostly
+    (the GPU's, engine/kernels/gpu/; none elsewhere): a decode step of a small model is mostly
     launches, so each launch saved is time saved.
 
     `groups`: linear layers over one input (q/k/v, gate/up) by their tuple; `add_norms`: norms that add
     the residual stream's update in the same launch, (residual, delta) → (their sum, its norm);
     `gated`: activation modules whose act(gate) * up runs in one launch, (gate, up) → the product;
-    `rotary_and_store`: q and k rotated, k and v written into the cache (engine/kernels/gpu_rotary.py's
+    `rotary_and_store`: q and k rotated, k and v written into the cache (engine/kernels/gpu/rotary.py's
     signature), used where the attention reads keys from the cache alone."""
 
     groups: Mapping[tuple[torch.nn.Module, ...], GroupReplacement] = field(default_factory=dict)

@@ -33,10 +33,10 @@ from transformers import (  # noqa: E402
 )
 
 from engine.detokenizer import TokenBytes  # noqa: E402
-from engine.kernels.decoder import InvariantDecoder  # noqa: E402
-from engine.kernels.experts import InvariantExperts, PackedExperts, narrowest  # noqa: E402
-from engine.kernels.invariant import PackedEmbedding, PackedLinear, WeightForm  # noqa: E402
-from engine.kernels.native import kernel_variant, load_library  # noqa: E402
+from engine.kernels.cpu.decoder import InvariantDecoder  # noqa: E402
+from engine.kernels.cpu.experts import InvariantExperts, PackedExperts, narrowest  # noqa: E402
+from engine.kernels.cpu.invariant import PackedEmbedding, PackedLinear, WeightForm  # noqa: E402
+from engine.kernels.cpu.native import kernel_variant, load_library  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import (  # noqa: E402
     SUPPORTED_MODEL_TYPES,
@@ -54,7 +54,7 @@ from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
 if TYPE_CHECKING:
     # Triton: on a CPU only in the dev extras, so imported where a GPU uses it.
-    from engine.kernels.gpu_invariant import InvariantLinears, InvariantRMSNorm
+    from engine.kernels.gpu.invariant import InvariantLinears, InvariantRMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -548,7 +548,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
     if importlib.util.find_spec("triton") is None:
         logger.warning("batch invariance is off: its GPU kernels need Triton (it ships with CUDA PyTorch)")
         return
-    from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm
+    from engine.kernels.gpu.invariant import InvariantLinear, InvariantRMSNorm
 
     # Before the layers' own kernels: stacking makes their weights views of the stacks.
     groups = stack_projections(paged.decoder_modules)
@@ -578,7 +578,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
 def stack_projections(modules: Iterable[torch.nn.Module]) -> dict[tuple[torch.nn.Module, ...], InvariantLinears]:
     """Each attention block's q/k/v and each MLP's gate/up among `modules` stacked into one batch-invariant
     layer, where they are plain linear layers that can stack."""
-    from engine.kernels.gpu_invariant import InvariantLinears
+    from engine.kernels.gpu.invariant import InvariantLinears
 
     groups = {}
     for module in modules:
@@ -596,8 +596,8 @@ def gpu_fusions(
 ) -> Fusions:
     """The GPU's fused kernels for this model: its stacked projections, every invariant norm adding the
     residual in its launch, SiLU's gated product and the rotary embedding with the cache's write."""
-    from engine.kernels.gpu_activation import silu_and_mul
-    from engine.kernels.gpu_rotary import rotary_and_store
+    from engine.kernels.gpu.activation import silu_and_mul
+    from engine.kernels.gpu.rotary import rotary_and_store
 
     return Fusions(
         groups=groups,
@@ -613,7 +613,7 @@ _SILU = ("SiLU", "SiLUActivation")
 
 def _gpu_experts(block: torch.nn.Module) -> ExpertLinears:
     """A mixture-of-experts block's router and each expert's projections on the GPU's invariant linear layer."""
-    from engine.kernels.gpu_invariant import InvariantLinear
+    from engine.kernels.gpu.invariant import InvariantLinear
 
     router, matrices = router_of(block), ExpertMatrices.of(block.experts)
     bias = getattr(router, "bias", None)

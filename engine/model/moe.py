@@ -10,7 +10,7 @@ family's order, which its experts module's `_apply_gate` reads (gate then up for
 clamped, for gpt-oss): every path here calls it, so each family's activation is its own.
 
 Three ways to run them, chosen per layer by what LayerOps holds for its experts:
-- the CPU's batch-invariant kernels (engine/kernels/experts.py: routing, a grouped GEMM by expert, the
+- the CPU's batch-invariant kernels (engine/kernels/cpu/experts.py: routing, a grouped GEMM by expert, the
   weighted sum, each a token's own numbers);
 - a kernel per expert (`ExpertLinears`: the GPU's batch-invariant Triton linear layer), over tokens grouped
   by expert, with torch's routing (over a row: each row on its own) and the weighted sum in top-k order;

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 # Tokens per block of the two-level draw: the kernels' block, so the output head's block maxima fit it.
-from engine.kernels.invariant import BLOCK
-from engine.kernels.sampling import log_softmax_on_cpu, row_settings, sample_on_cpu
+from engine.kernels.cpu.invariant import BLOCK
+from engine.kernels.cpu.sampling import log_softmax_on_cpu, row_settings, sample_on_cpu
 from engine.request import Request
 from engine.sampling.draws import MAX_REJECTION_ROUNDS, uniforms
 from engine.sampling.masks import RowMask
@@ -48,7 +48,7 @@ def device_kernel(device: torch.device) -> DeviceKernel | None:
     PyTorch); None elsewhere."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    from engine.kernels.gpu_sampling import sample_on_device
+    from engine.kernels.gpu.sampling import sample_on_device
 
     return sample_on_device
 
@@ -58,8 +58,8 @@ class Sampler:
     vocabulary-sized buffer (on a CPU each new one costs its page faults).
 
     Given the CPU kernels' library, float32 CPU rows are drawn there instead, in one call
-    (engine/kernels/sampling.py): the same distributions without torch's full-vocabulary passes.
-    Given a device kernel (engine/kernels/gpu_sampling.py on a GPU), a step with any sampled row is
+    (engine/kernels/cpu/sampling.py): the same distributions without torch's full-vocabulary passes.
+    Given a device kernel (engine/kernels/gpu/sampling.py on a GPU), a step with any sampled row is
     drawn by it in one launch, where torch's path takes dozens of kernels and waits on the device in
     each top-p round.
     """

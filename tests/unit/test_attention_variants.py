@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.kernels.native import load_library
+from engine.kernels.cpu.native import load_library
 from engine.model.attention.invariant import InvariantMetadata
 from engine.model.attention.paged import image_key_ends, paged_attention
 from engine.model.attention.torch_sdpa import TorchMetadata
@@ -80,7 +80,7 @@ def _reference(q, k_cache, v_cache, segments, window=0, softcap=0.0, sinks=None)
 
 
 def _triton_metadata(segments, slot_mapping, positions, rows, key_ends=None):
-    from engine.kernels import paged_decode, paged_prefill
+    from engine.kernels.gpu import paged_decode, paged_prefill
 
     kernels = GpuAttention(
         paged_decode.paged_decode_attention,

@@ -1,4 +1,4 @@
-"""The decoder layers in one native call (engine/kernels/decoder.py) give the bits of the same layers run op by
+"""The decoder layers in one native call (engine/kernels/cpu/decoder.py) give the bits of the same layers run op by
 op in torch over the invariant kernels: prompts, chunks and decodes mixed, in the vector and the portable
 linear variant, for each family whose layer is Llama's (biases, per-head norms and windows included), and over a
 bfloat16 or float16 KV cache."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.kernels.invariant import WeightForm
+from engine.kernels.cpu.invariant import WeightForm
 from engine.model.families import UnsupportedModelError
 from engine.model.loader import load_model
 from engine.tiny import tiny_engine, tiny_hf_model

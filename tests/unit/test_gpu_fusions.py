@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("triton", reason="the GPU's fused kernels are written in Triton")
 pytestmark = pytest.mark.interpreter
 
-from engine.kernels.gpu_activation import silu_and_mul  # noqa: E402
-from engine.kernels.gpu_invariant import InvariantLinear, InvariantLinears, InvariantRMSNorm  # noqa: E402
-from engine.kernels.gpu_rotary import rotary_and_store  # noqa: E402
+from engine.kernels.gpu.activation import silu_and_mul  # noqa: E402
+from engine.kernels.gpu.invariant import InvariantLinear, InvariantLinears, InvariantRMSNorm  # noqa: E402
+from engine.kernels.gpu.rotary import rotary_and_store  # noqa: E402
 from engine.model.attention.triton_paged import gpu_attention  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.layers import NO_FUSIONS, Rotary  # noqa: E402

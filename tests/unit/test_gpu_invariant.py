@@ -1,4 +1,4 @@
-"""The GPU's batch-invariant linear and RMSNorm kernels (engine/kernels/gpu_invariant.py): torch's
+"""The GPU's batch-invariant linear and RMSNorm kernels (engine/kernels/gpu/invariant.py): torch's
 results, and each row's bits the same whatever rows share its launch. On a machine without CUDA they
 run in Triton's interpreter on the CPU; without Triton the file skips. On CUDA, the engine built as a
 server builds it: a greedy request's tokens the same alone, in a batch, from the prefix cache and
@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="the GPU's batch-invariant kernels are writ
 pytestmark = pytest.mark.interpreter
 
 from engine.config import SpeculativeConfig  # noqa: E402
-from engine.kernels.gpu_invariant import InvariantLinear, InvariantRMSNorm, linear_config  # noqa: E402
+from engine.kernels.gpu.invariant import InvariantLinear, InvariantRMSNorm, linear_config  # noqa: E402
 from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 from tests.conftest import CACHE_DIR  # noqa: E402

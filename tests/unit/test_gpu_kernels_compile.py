@@ -22,8 +22,12 @@ def compile_every_kernel() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.kernels import gpu_activation, gpu_invariant, gpu_rotary, gpu_sampling, paged_decode, paged_prefill
-    from engine.kernels.sampling import row_settings
+    from engine.kernels.cpu.sampling import row_settings
+    from engine.kernels.gpu import activation as gpu_activation
+    from engine.kernels.gpu import invariant as gpu_invariant
+    from engine.kernels.gpu import paged_decode, paged_prefill
+    from engine.kernels.gpu import rotary as gpu_rotary
+    from engine.kernels.gpu import sampling as gpu_sampling
     from engine.types import SamplingParams
     from tests.unit.helpers import make_request
 

@@ -1,4 +1,4 @@
-"""The GPU's sampling kernel (engine/kernels/gpu_sampling.py): here on the CPU, through Triton's
+"""The GPU's sampling kernel (engine/kernels/gpu/sampling.py): here on the CPU, through Triton's
 interpreter, where CUDA is not (where it is, on the GPU).
 
 Its draws come from the same uniforms as the CPU kernel's and torch's, so over rows of every
@@ -16,8 +16,8 @@ pytest.importorskip("triton", reason="the GPU's sampling kernel is written in Tr
 pytestmark = pytest.mark.interpreter
 
 from bench.sampler import SETTINGS  # noqa: E402
-from engine.kernels import gpu_sampling  # noqa: E402
-from engine.kernels.native import load_library  # noqa: E402
+from engine.kernels.cpu.native import load_library  # noqa: E402
+from engine.kernels.gpu import sampling as gpu_sampling  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
 from engine.tiny import tiny_engine, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402

@@ -92,7 +92,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
     # A plain import, a from-import, and one inside a function's body (sampler's device kernel).
     assert "engine.request" in graph["engine.scheduler"]
-    assert "engine.kernels.gpu_sampling" in graph["engine.sampling.sampler"]
+    assert "engine.kernels.gpu.sampling" in graph["engine.sampling.sampler"]
     assert "app.settings" in graph["app.server"]
 
 

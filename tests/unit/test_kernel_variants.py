@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kernels.invariant import PackedLinear, WeightForm
-from engine.kernels.native import choose_variant, load_library, runnable_variants, splits_512_bit_vectors
+from engine.kernels.cpu.invariant import PackedLinear, WeightForm
+from engine.kernels.cpu.native import choose_variant, load_library, runnable_variants, splits_512_bit_vectors
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
 from tests.conftest import CACHE_DIR

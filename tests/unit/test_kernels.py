@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.invariant import KernelAttentionMetadata, PackedLinear, invariant_paged_attention
-from engine.kernels.native import kernels_supported, load_library
+from engine.kernels.cpu.invariant import KernelAttentionMetadata, PackedLinear, invariant_paged_attention
+from engine.kernels.cpu.native import kernels_supported, load_library
 from tests.conftest import CACHE_DIR
 
 

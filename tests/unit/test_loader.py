@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.kernels.invariant import WeightForm
+from engine.kernels.cpu.invariant import WeightForm
 from engine.model.families import ModelFolderError, UnsupportedModelError
 from engine.model.loader import load_model, resolve_dtype
 from engine.tiny import FAMILY_CONFIGS, tiny_engine, tiny_hf_model

@@ -1,5 +1,5 @@
 """The mixture-of-experts block (engine/model/moe.py) on each of its kernels: Hugging Face's own block's
-results, and on the batch-invariant ones (the CPU's, engine/kernels/experts.py; the GPU's per-expert Triton
+results, and on the batch-invariant ones (the CPU's, engine/kernels/cpu/experts.py; the GPU's per-expert Triton
 linear layers, in Triton's interpreter without a GPU) a token's bits the same whatever else is in its step."""
 
 import pytest
@@ -9,7 +9,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from engine.kernels.native import load_library
+from engine.kernels.cpu.native import load_library
 from engine.model.layers import LayerOps
 from engine.model.loader import _pack_experts
 from engine.model.moe import ExpertMatrices, Routing, router_of, sparse_moe
@@ -99,7 +99,7 @@ def test_cpu_kernels_are_hugging_faces_block_and_a_tokens_own(model_type):
 @pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
 def test_gpu_kernels_are_hugging_faces_block_and_a_tokens_own(model_type):
     pytest.importorskip("triton", reason="the GPU's batch-invariant kernels are written in Triton")
-    from engine.kernels.gpu_invariant import InvariantLinear
+    from engine.kernels.gpu.invariant import InvariantLinear
     from engine.model.moe import ExpertLinears
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the GPU decode kernel is written in Triton")
 pytestmark = pytest.mark.interpreter
 
-from engine.kernels.paged_decode import paged_decode_attention, supports  # noqa: E402
+from engine.kernels.gpu.paged_decode import paged_decode_attention, supports  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

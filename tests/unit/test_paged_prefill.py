@@ -9,7 +9,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the GPU prefill kernel is written in Triton")
 pytestmark = pytest.mark.interpreter
 
-from engine.kernels.paged_prefill import paged_prefill_attention, queries_per_tile  # noqa: E402
+from engine.kernels.gpu.paged_prefill import paged_prefill_attention, queries_per_tile  # noqa: E402
 from tests.unit.test_paged_decode import DEVICE, _layout  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from gguf import quantize as gguf_quantize
 
-from engine.kernels.invariant import WeightForm
+from engine.kernels.cpu.invariant import WeightForm
 from engine.model.loader import load_model
 from engine.model.teacher_forcing import agreement_and_perplexity, teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded

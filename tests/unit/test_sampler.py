@@ -5,7 +5,7 @@ import torch
 
 # Every sampling path at once, for the tests that compare two ways of drawing the same rows.
 from bench.sampler import SETTINGS
-from engine.kernels.native import load_library
+from engine.kernels.cpu.native import load_library
 from engine.request import Request
 from engine.sampling.sampler import BLOCK, Sampler
 from engine.types import SamplingParams
@@ -248,7 +248,7 @@ def test_the_kernel_and_torch_draw_the_same_tokens():
 def _head_and_block_max(library, rows: int, vocab: int, generator: torch.Generator):
     """Logits from the kernel's output head, with its block maxima; integer weights and inputs make
     ties for the max, within and across blocks."""
-    from engine.kernels.invariant import PackedLinear
+    from engine.kernels.cpu.invariant import PackedLinear
 
     head = PackedLinear.pack(library, torch.randint(-3, 4, (vocab, 8), generator=generator).float())
     return head.with_block_max(torch.randint(-2, 3, (rows, 8), generator=generator).float())

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from engine.kernels.native import load_library
-from engine.kernels.sampling import log_softmax_on_cpu
+from engine.kernels.cpu.native import load_library
+from engine.kernels.cpu.sampling import log_softmax_on_cpu
 from tests.conftest import CACHE_DIR
 
 # Vocabularies: a whole number of 8-lane vectors, a tail, fewer than one vector; the default model's.

@@ -12,8 +12,8 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from safetensors import safe_open
 
-from engine.kernels.invariant import BLOCK_BYTES, PackedEmbedding, PackedLinear, WeightForm
-from engine.kernels.native import load_library
+from engine.kernels.cpu.invariant import BLOCK_BYTES, PackedEmbedding, PackedLinear, WeightForm
+from engine.kernels.cpu.native import load_library
 from engine.model.loader import load_model
 from engine.tiny import tiny_hf_model
 from tests.conftest import CACHE_DIR

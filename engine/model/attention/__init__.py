@@ -13,7 +13,7 @@ masked, and each prefill chunk gets its own call. On a GPU, two Triton kernels
 read K/V through the block table instead: one for the decodes, one for all the
 prefill chunks together. With the batch-invariant
 kernels every query, decode or chunk, reads its own request's keys through the
-block table in one call (engine/kernels/invariant.py).
+block table in one call (engine/kernels/cpu/invariant.py).
 
 Each of the three has its own metadata type, built once per step by its `build` from the
 step's segments and never changed after.

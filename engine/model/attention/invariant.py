@@ -1,4 +1,4 @@
-"""The batch-invariant CPU kernel (engine/kernels/invariant.py) as an attention backend."""
+"""The batch-invariant CPU kernel (engine/kernels/cpu/invariant.py) as an attention backend."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from engine.kernels.invariant import KernelAttentionMetadata, invariant_paged_attention
+from engine.kernels.cpu.invariant import KernelAttentionMetadata, invariant_paged_attention
 from engine.model.attention.block_tables import block_tables
 from engine.model.uploads import long_tensor
 

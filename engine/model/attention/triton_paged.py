@@ -1,4 +1,4 @@
-"""The GPU's Triton paged kernels (engine/kernels/paged_decode.py, paged_prefill.py): one call for a step's
+"""The GPU's Triton paged kernels (engine/kernels/gpu/paged_decode.py, paged_prefill.py): one call for a step's
 decodes and one for all its prefill chunks, each reading the cache through block tables."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PagedDecode:
     """The decodes' block tables and context lengths, for a kernel that reads the cache through them
-    (engine/kernels/paged_decode.py on a GPU) instead of a padded gather of every context."""
+    (engine/kernels/gpu/paged_decode.py on a GPU) instead of a padded gather of every context."""
 
     kernel: Callable[..., torch.Tensor]
     # [D, W] block table of each decode's request, padded with block 0.
@@ -34,7 +34,7 @@ class PagedDecode:
 @dataclass(frozen=True)
 class PagedPrefill:
     """Every prefill chunk of the step for one kernel call that reads the cache through the chunks'
-    block tables (engine/kernels/paged_prefill.py on a GPU) instead of a gather and a call per chunk."""
+    block tables (engine/kernels/gpu/paged_prefill.py on a GPU) instead of a gather and a call per chunk."""
 
     kernel: Callable[..., None]
     # [C, W] block table of each chunk's request, padded with block 0.
@@ -64,7 +64,7 @@ def gpu_attention(
     PyTorch), and a cache block and head they take; None elsewhere (the SDPA path then runs)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return None
-    from engine.kernels import paged_decode, paged_prefill
+    from engine.kernels.gpu import paged_decode, paged_prefill
 
     if not paged_decode.supports(block_size, head_dim):
         return None

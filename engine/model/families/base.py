@@ -64,7 +64,7 @@ class DecoderFamily:
     transforms_logits: ClassVar[bool] = False
 
     # Whether `layer` is Llama's exactly (engine/model/families/llama.py): the CPU kernels then run every
-    # layer of a step in one call (engine/kernels/decoder.py).
+    # layer of a step in one call (engine/kernels/cpu/decoder.py).
     llama_layer: ClassVar[bool] = False
 
     def embed(self, embed_tokens: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

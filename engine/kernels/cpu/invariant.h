@@ -13,7 +13,7 @@ namespace sluice {
 void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
                     int64_t n_dim, float* y, int64_t p_first, int64_t p_last);
 
-// The KV cache's element type (KVCache's dtype, CACHE_DTYPES in engine/kernels/invariant.py).
+// The KV cache's element type (KVCache's dtype, CACHE_DTYPES in engine/kernels/cpu/invariant.py).
 enum CacheDtype : int64_t { kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2 };
 
 // One query head q over keys [first, n) of its request, read through its block `table` from the layer's

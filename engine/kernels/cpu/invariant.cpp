@@ -9,7 +9,7 @@
 // libraries pick kernels and reduction splits by the matrix's shape, so the same token gets different
 // bits alone and in a batch; these kernels never do.
 //
-// Loaded with ctypes (engine/kernels/native.py); OpenMP resolves to the libgomp that
+// Loaded with ctypes (engine/kernels/cpu/native.py); OpenMP resolves to the libgomp that
 // torch has already loaded, so both share one thread pool.
 
 #include <immintrin.h>

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.kernels.invariant import CACHE_DTYPES, KernelAttentionMetadata, PackedLinear
+from engine.kernels.cpu.invariant import CACHE_DTYPES, KernelAttentionMetadata, PackedLinear
 from engine.kv_cache import KVCache
 
 # Norm classes computing Llama's RMSNorm, w * (x * rsqrt(mean(x^2) + eps)), in float32 (Gemma's 1 + w is not).

@@ -24,7 +24,7 @@ _ROW = struct.Struct("=fffxxxxq")
 
 
 def row_settings(p: SamplingParams) -> bytes:
-    """A row's sampling parameters packed for the kernels (this one's and engine/kernels/gpu_sampling.py's)."""
+    """A row's sampling parameters packed for the kernels (this one's and engine/kernels/gpu/sampling.py's)."""
     return _ROW.pack(0.0 if p.greedy else 1.0 / p.temperature, p.top_p, p.min_p, p.top_k)
 
 

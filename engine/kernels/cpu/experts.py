@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.invariant import PackedLinear, WeightForm
+from engine.kernels.cpu.invariant import PackedLinear, WeightForm
 
 
 def narrowest(weights: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.online_softmax import attend_block
+from engine.kernels.gpu.online_softmax import attend_block
 
 
 def supports(block_size: int, head_dim: int) -> bool:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.invariant import BLOCK
+from engine.kernels.cpu.invariant import BLOCK
 from engine.model.uploads import upload
 from engine.sampling.draws import MAX_REJECTION_ROUNDS
 
@@ -42,7 +42,7 @@ def sample_on_device(
     logits: torch.Tensor, settings: bytes, keys: Sequence[int], positions: Sequence[int], top_k: int
 ) -> torch.Tensor:
     """One token per row of float32 `logits` [R, V] (on the device), row i drawn with the i-th of `settings`
-    (engine/kernels/sampling.py's row_settings, joined), its draw key keys[i] at positions[i]; `top_k` is
+    (engine/kernels/cpu/sampling.py's row_settings, joined), its draw key keys[i] at positions[i]; `top_k` is
     the largest top_k of any row (0: none asks for it). The tokens stay on the device."""
     if logits.stride(1) != 1:
         logits = logits.contiguous()

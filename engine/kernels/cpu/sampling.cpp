@@ -326,7 +326,7 @@ int64_t sample_row(const float* x, int64_t n, const float* maxima, float inverse
 
 }  // namespace
 
-// One row's sampling parameters, as engine/kernels/sampling.py packs them.
+// One row's sampling parameters, as engine/kernels/cpu/sampling.py packs them.
 struct RowSettings {
   float inverse_t;  // 0: greedy
   float top_p;      // 1: off

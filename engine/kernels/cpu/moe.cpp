@@ -1,7 +1,7 @@
 // A mixture-of-experts layer's routing and the weighted sum of its experts' outputs, one token at a time:
 // a token's experts, weights and output depend on its own router logits and expert outputs alone, in a
 // fixed order (k = 0, 1, ..., top_k - 1), whatever else is in the step. Built into one library with
-// invariant.cpp (engine/kernels/native.py); the experts' matrices run on its sl_grouped_linear.
+// invariant.cpp (engine/kernels/cpu/native.py); the experts' matrices run on its sl_grouped_linear.
 
 #include <math.h>
 #include <stdint.h>

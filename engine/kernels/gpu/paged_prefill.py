@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.online_softmax import attend_block
+from engine.kernels.gpu.online_softmax import attend_block
 
 # Rows of a program's query matrix: query tokens times the query heads of one KV head.
 _TILE_ROWS = 64

@@ -33,7 +33,7 @@ struct Linear {
   const float* bias;  // or null
 };
 
-// One decoder layer's weights (DecoderLayerWeights in engine/kernels/decoder.py).
+// One decoder layer's weights (DecoderLayerWeights in engine/kernels/cpu/decoder.py).
 struct Layer {
   const float* input_norm;  // [hidden]
   const float* post_norm;   // [hidden]
@@ -44,7 +44,7 @@ struct Layer {
   int64_t window;  // keys a query reads, itself included; 0: all
 };
 
-// What every layer of a step shares (DecoderStep in engine/kernels/decoder.py).
+// What every layer of a step shares (DecoderStep in engine/kernels/cpu/decoder.py).
 struct Step {
   int64_t tokens, hidden, heads, kv_heads, head_dim, intermediate;
   float scale;
