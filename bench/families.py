@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from app import server_process  # noqa: E402
 from bench import peers  # noqa: E402
 from bench.serve import level, spawn, warm_up  # noqa: E402
-from engine.model.loader import convert_gguf, default_model_gguf  # noqa: E402
+from engine.model.model_files import convert_gguf, default_model_gguf  # noqa: E402
 
 # Each family's small member: its name and config fields (from the released config.json files).
 SHAPES: dict[str, tuple[str, dict]] = {

@@ -90,7 +90,7 @@ def random_llama_folder(
         return folder
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from engine.model.loader import convert_gguf, default_model_gguf
+    from engine.model.model_files import convert_gguf, default_model_gguf
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or convert_gguf(default_model_gguf(), cache_dir))
     config = LlamaConfig(

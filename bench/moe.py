@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.model.loader import convert_gguf, default_model_gguf  # noqa: E402
+from engine.model.model_files import convert_gguf, default_model_gguf  # noqa: E402
 
 # Qwen3-30B-A3B's routing.
 NUM_EXPERTS = 128

@@ -265,7 +265,7 @@ async def level(base: str, model: str | None, concurrency: int, args: argparse.N
 
 def default_model() -> Model:
     """The embedded default model: its converted folder (made on first use) and its GGUF."""
-    from engine.model.loader import convert_gguf, default_model_gguf
+    from engine.model.model_files import convert_gguf, default_model_gguf
 
     cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
     return Model(folder=convert_gguf(default_model_gguf(), cache), gguf=default_model_gguf())

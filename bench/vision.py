@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app import server_process  # noqa: E402
-from engine.model.loader import convert_gguf, default_model_gguf  # noqa: E402
+from engine.model.model_files import convert_gguf, default_model_gguf  # noqa: E402
 
 QUESTION = "Describe this picture in detail."
 

@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
 from engine.engine import Engine
 from engine.model.causal_lm import PagedCausalLM
-from engine.model.loader import LoadedModel, use_invariant_kernels
+from engine.model.invariant_kernels import use_invariant_kernels
+from engine.model.loader import LoadedModel
 
 TINY_VOCAB = 512
 

@@ -27,7 +27,7 @@ CACHE_DIR = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sl
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model as a safetensors folder (converted from its GGUF on first use)."""
-    from engine.model.loader import convert_gguf, default_model_gguf
+    from engine.model.model_files import convert_gguf, default_model_gguf
 
     return convert_gguf(default_model_gguf(), CACHE_DIR)
 

@@ -18,8 +18,8 @@ from engine.kernels.gpu.invariant import InvariantLinear, InvariantLinears, Inva
 from engine.kernels.gpu.rotary import rotary_and_store  # noqa: E402
 from engine.model.attention.triton_paged import gpu_attention  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
+from engine.model.invariant_kernels import use_gpu_invariant_kernels  # noqa: E402
 from engine.model.layers import NO_FUSIONS, Rotary  # noqa: E402
-from engine.model.loader import use_gpu_invariant_kernels  # noqa: E402
 from engine.tiny import FAMILY_CONFIGS, tiny_engine, tiny_hf_model, tiny_loaded  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 from tests.unit.helpers import collect, hf_greedy_logprobs  # noqa: E402

@@ -115,7 +115,7 @@ def test_loading_on_cuda_moves_every_linear_layer_and_norm_onto_the_kernels():
     if not torch.cuda.is_available():
         pytest.skip("the GPU kernels are chosen for CUDA models")
     from engine.model.causal_lm import PagedCausalLM
-    from engine.model.loader import use_gpu_invariant_kernels
+    from engine.model.invariant_kernels import use_gpu_invariant_kernels
 
     hf = tiny_hf_model().to("cuda")
     model = PagedCausalLM(hf)

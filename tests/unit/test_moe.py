@@ -10,8 +10,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from engine.kernels.cpu.native import load_library
+from engine.model.invariant_kernels import _pack_experts
 from engine.model.layers import LayerOps
-from engine.model.loader import _pack_experts
 from engine.model.moe import ExpertMatrices, Routing, router_of, sparse_moe
 from tests.conftest import CACHE_DIR
 
