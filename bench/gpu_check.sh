@@ -25,6 +25,9 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 mark fused kernels
 timeout 140 python3 -m pytest -q -p no:cacheprovider --timeout 100 tests/unit/test_gpu_fusions.py 2>&1 |
   tail -40 | tee -a "$OUT/log.txt"
+mark families on the GPU path
+timeout 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 -m interpreter tests/unit/test_families.py 2>&1 |
+  tail -40 | tee -a "$OUT/log.txt"
 mark profile
 timeout 90 python3 bench/gpu_profile.py --tokenizer "$SLUICE_TOKENIZER" --batch 1 256 --top 14 2>&1 |
   tee "$OUT/profile.txt" | tail -45
