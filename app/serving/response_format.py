@@ -97,4 +97,9 @@ def json_spec(schema: dict | bool | str, param: str, strict: bool | None = None)
             raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, (dict, bool)):
         raise OpenAIError(400, f"{param} must be a JSON schema (an object)", param=param)
+    if schema is False:
+        raise OpenAIError(400, f"{param}: the schema false admits no JSON value", param=param)
+    if schema is True:
+        # JSON Schema's true admits any value, as {} does; the grammar compiler takes objects only.
+        schema = {}
     return GrammarSpec.json_schema(decoded_schema(schema, strict))

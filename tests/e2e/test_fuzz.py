@@ -136,6 +136,12 @@ def test_what_the_fuzzer_found_stays_fixed(api):
     for path, body, param in cases:
         response = httpx.post(f"{base}{path}", json=body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    # JSON Schema's boolean schemas: true admits any value, false none (both were "Expecting object schema").
+    response = httpx.post(f"{base}/v1/completions", json={"prompt": "0", "guided_json": True, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    response = httpx.post(f"{base}/v1/completions", json={"prompt": "0", "guided_json": False})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_json", response.text
+    assert "admits no JSON value" in response.json()["error"]["message"]
     # A completion's default of 16 tokens gives way to --max-tokens-limit (8) rather than refusing.
     response = httpx.post(f"{base}/v1/completions", json={"prompt": "0"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 8
