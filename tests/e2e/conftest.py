@@ -3,7 +3,8 @@
 Each is started by the first test that asks for it and stopped after the last one that does (in
 collection order), so a test process starts each configuration once and holds few servers at a time
 (one on the default model is about 0.6 GB at rest). `make test` runs two processes (`-n 2 --dist
-loadfile`), so a configuration the files of both use is started by each. Tests share them: every test
+loadfile --no-loadscope-reorder`: each takes files in collection order, as stopping a server early assumes),
+so a configuration the files of both use is started by each. Tests share them: every test
 starts once its servers have nothing running (`_shared_servers_idle` waits for that) and checks what its
 requests change, not totals.
 """
