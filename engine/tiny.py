@@ -124,7 +124,9 @@ def tiny_hf_model(
     )
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**common, **FAMILY_CONFIGS[model_type], **overrides})
-    model = AutoModelForCausalLM.from_config(config).eval()
+    # Eager attention, the reference every family implements in full: transformers 5.17 picks SDPA for Gemma 2,
+    # which drops its soft-capping without a word (other logits than eager's, measured).
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     if model_type in _RANDOM_BIASES:
         with torch.no_grad():
             for name, parameter in model.named_parameters():

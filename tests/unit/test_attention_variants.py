@@ -73,7 +73,7 @@ def _reference(q, k_cache, v_cache, segments, window=0, softcap=0.0, sinks=None)
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:
-                scores = torch.cat((scores, sinks.double().unsqueeze(1)), dim=1)
+                scores = torch.cat((scores, sinks.double().cpu().unsqueeze(1)), dim=1)
             weights = torch.softmax(scores, dim=1)[:, : len(slots)]
             out.append(torch.einsum("hj,jhd->hd", weights, v))
     return torch.stack(out).float()
@@ -113,6 +113,11 @@ BACKENDS = [
 ]
 
 
+def _device(metadata):
+    """Where a backend's tensors live: the GPU's kernels on CUDA where there is one (else in the interpreter)."""
+    return "cuda" if metadata is _triton_metadata and torch.cuda.is_available() else "cpu"
+
+
 def _inputs(seed, image_blocks=False):
     generator = torch.Generator().manual_seed(seed)
     segments, slot_mapping, positions, rows = _step(generator, image_blocks)
@@ -130,11 +135,14 @@ def _inputs(seed, image_blocks=False):
 @pytest.mark.parametrize("metadata", BACKENDS)
 def test_each_variant_matches_a_float64_softmax(metadata, variant):
     segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=len(variant))
-    options = {**variant, "sinks": sinks if variant.get("sinks") else None}
+    device = _device(metadata)
+    options = {**variant, "sinks": sinks.to(device) if variant.get("sinks") else None}
+    q, k, v, k_cache, v_cache, slot_mapping = (t.to(device) for t in (q, k, v, k_cache, v_cache, slot_mapping))
     meta = metadata(segments, slot_mapping, positions, rows)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, **options)
-    expected = _reference(q, k_cache, v_cache, segments, **options)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # The keys and values of the step are in the cache now, where the reference reads them.
+    expected = _reference(*(t.cpu() for t in (q, k_cache, v_cache)), segments, **options)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
@@ -179,9 +187,13 @@ def test_image_blocks_attend_both_ways_on_every_backend(metadata, variant):
     """A token of an image block reads every key of its block, past itself (a window still starts from its
     own position); other tokens, and blocks computed before the chunk, read causally."""
     segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=5, image_blocks=True)
-    options = {**variant, "sinks": sinks if variant.get("sinks") else None}
-    meta = metadata(segments, slot_mapping, positions, rows, _key_ends(segments, positions))
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, **options)
+    device = _device(metadata)
+    options = {**variant, "sinks": sinks.to(device) if variant.get("sinks") else None}
+    key_ends = _key_ends(segments, positions).to(device)
+    q, k, v, k_cache, v_cache, slot_mapping = (t.to(device) for t in (q, k, v, k_cache, v_cache, slot_mapping))
+    meta = metadata(segments, slot_mapping, positions, rows, key_ends)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, SCALE, **options).cpu()
+    q, k_cache, v_cache = (t.cpu() for t in (q, k_cache, v_cache))
     expected = _reference(q, k_cache, v_cache, segments, **options)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     text = [
