@@ -20,10 +20,10 @@ serve: $(STAMP) compiler
 	$(VENV)/bin/sluice $(ARGS)
 
 # Two workers, each taking whole files (a file's tests share its servers and fixtures): most end-to-end tests
-# wait on a server or a clock, so the other worker's tests fill the cores meanwhile. Files in collection order
-# (not the largest first): a shared server stops after the last test in that order that uses it.
+# wait on a server or a clock, so the other worker's tests fill the cores meanwhile. The largest files go first,
+# which balances the two; a file whose shared server was stopped starts it again (tests/e2e/conftest.py).
 test: $(STAMP) compiler browser
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(ARGS)
 
 # The CPU kernels (engine/kernels: batch-invariant layers, the sampler) are built on first start with the system's C++
 # compiler. Where there is none and this runs as root on Debian, g++ comes from the system's packages;

@@ -1,12 +1,12 @@
 """Real Sluice server processes on 127.0.0.1, one per configuration the tests need.
 
-Each is started by the first test that asks for it and stopped after the last one that does (in
-collection order), so a test process starts each configuration once and holds few servers at a time
-(one on the default model is about 0.6 GB at rest). `make test` runs two processes (`-n 2 --dist
-loadfile --no-loadscope-reorder`: each takes files in collection order, as stopping a server early assumes),
-so a configuration the files of both use is started by each. Tests share them: every test
-starts once its servers have nothing running (`_shared_servers_idle` waits for that) and checks what its
-requests change, not totals.
+Each is started by the first test that asks for it and stopped after a test when no test after it in
+collection order asks for it, so a test process holds few servers at a time (one on the default model is
+about 0.6 GB at rest). `make test` runs two processes (`-n 2 --dist loadfile`): each runs whole files, the
+largest first, which is not collection order, so a server may be stopped while a file still to run needs
+it. The fixtures are therefore per module, each asking `_SHARED` for its server, which starts it again if
+it was stopped. Tests share them: every test starts once its servers have nothing running
+(`_shared_servers_idle` waits for that) and checks what its requests change, not totals.
 """
 
 from __future__ import annotations
@@ -95,31 +95,38 @@ def _shared_servers_idle(request: pytest.FixtureRequest) -> None:
     _SHARED.wait_until_idle([name for name in _SHARED.procs if name in request.fixturenames])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(default_model_path) -> str:
     """The default configuration, shared by every test that needs nothing else."""
     return _SHARED.get("server", *DEFAULT_FLAGS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def flow_server(default_model_path) -> str:
     """Tight flow-control settings, so back-pressure, keep-alive and resume expiry happen within seconds."""
     flags = ("--max-unread-tokens", "16", "--write-buffer-kib", "4", "--keepalive-seconds", "0.3")
     return _SHARED.get("flow_server", *flags, "--resume-window-seconds", "3")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ngram_server(default_model_path) -> str:
     """Default numerics, n-gram speculation, and a small unread-token bound so slow readers pause."""
     return _SHARED.get("ngram_server", "--speculative", "ngram", "--max-unread-tokens", "8")
 
 
 @pytest.fixture(scope="session")
-def door(tmp_path_factory, default_model_path) -> tuple[str, int, Path]:
-    """Every front-door setting on: keys (flag and file), protected metrics, a queue bound, a body
-    limit, a max_tokens cap and an audit log. Its base URL, process id and audit log."""
+def door_folder(tmp_path_factory) -> Path:
+    """The door's key file and audit log, the same for every start of it."""
     folder = tmp_path_factory.mktemp("door")
     (folder / "keys").write_text(f"# operators\n\n{FILE_KEY}\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def door(door_folder, default_model_path) -> tuple[str, int, Path]:
+    """Every front-door setting on: keys (flag and file), protected metrics, a queue bound, a body
+    limit, a max_tokens cap and an audit log. Its base URL, process id and audit log."""
+    folder = door_folder
     audit = folder / "audit.jsonl"
     base = _SHARED.get(
         "door",
@@ -148,7 +155,7 @@ def tiny_model_path(tmp_path_factory, default_tokenizer) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_server(tiny_model_path) -> str:
     """The tiny model behind a real server, generation kept short (8 tokens of output); its whole
     context (1,024 tokens), so that what a fuzzer sends fits."""
@@ -157,12 +164,17 @@ def tiny_server(tiny_model_path) -> str:
 
 
 @pytest.fixture(scope="session")
-def vision_server(tmp_path_factory, default_tokenizer) -> str:
-    """A tiny random LLaVA (engine/tiny_vision.py) behind a real server: what takes images end to end."""
+def vision_model_path(tmp_path_factory, default_tokenizer) -> Path:
+    """A tiny random LLaVA (engine/tiny_vision.py)."""
     from engine.tiny_vision import tiny_vision_folder
 
-    folder = tiny_vision_folder("llava", default_tokenizer, tmp_path_factory.mktemp("tiny-llava"))
-    return _SHARED.get("vision_server", "--model", str(folder), "--kv-cache-gib", "0.05")
+    return tiny_vision_folder("llava", default_tokenizer, tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="module")
+def vision_server(vision_model_path) -> str:
+    """The tiny LLaVA behind a real server: what takes images end to end."""
+    return _SHARED.get("vision_server", "--model", str(vision_model_path), "--kv-cache-gib", "0.05")
 
 
 # The conversation the thinking model is made to end its reasoning in (see thinking_model_path).
@@ -208,14 +220,14 @@ def thinking_model_path(tmp_path_factory, default_tokenizer) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def thinking_server(thinking_model_path) -> str:
     """The tiny thinking model behind a real server; its reasoning parser is found from its template."""
     flags = ("--model", str(thinking_model_path), "--max-model-len", "256", "--kv-cache-gib", "0.05")
     return _SHARED.get("thinking_server", *flags)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model_name(server) -> str:
     return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
 
