@@ -228,3 +228,28 @@ def test_the_cpu_kernel_gives_an_image_block_the_same_bits_alone_as_in_the_batch
         out = paged_attention(q[tokens], k[tokens], v[tokens], k_cache, v_cache, alone, SCALE, window=WINDOW)
         assert torch.equal(out, together[tokens]), segment.start
         first = tokens.stop
+
+
+@pytest.mark.parametrize("variant", [{}, VARIANTS["all"]], ids=["plain", "all"])
+@pytest.mark.parametrize("metadata", BACKENDS[1:])
+def test_a_token_gets_the_same_bits_as_a_decode_as_at_the_end_of_a_chunk(metadata, variant):
+    """A prompt's last token is the end of a prefill chunk alone, but a decode where the scheduler split the
+    prompt so that it comes last in a step by itself: the batch-invariant backends give it the same bits both
+    ways (on the GPU, two kernels)."""
+    segments, slot_mapping, positions, rows, q, k, v, (k_cache, v_cache), sinks = _inputs(seed=13)
+    device = _device(metadata)
+    options = {**variant, "sinks": sinks.to(device) if variant.get("sinks") else None}
+    q, k, v, k_cache, v_cache, slot_mapping = (t.to(device) for t in (q, k, v, k_cache, v_cache, slot_mapping))
+    chunked = paged_attention(
+        q, k, v, k_cache, v_cache, metadata(segments, slot_mapping, positions, rows), SCALE, **options
+    )
+    last = -1
+    for segment in segments:
+        last += len(segment.token_ids)
+        if len(segment.token_ids) == 1:
+            continue
+        decode = SimpleNamespace(request=segment.request, start=positions[last].item(), token_ids=[0])
+        token = slice(last, last + 1)
+        meta = metadata([decode], slot_mapping[token], positions[token], array("q", [0]))
+        alone = paged_attention(q[token], k[token], v[token], k_cache, v_cache, meta, SCALE, **options)
+        assert torch.equal(alone, chunked[token]), segment.start
