@@ -69,7 +69,8 @@ class BlockManager:
     def pin(self, key: str, request: Request, deadline: float) -> bool:
         """Hold `request`'s registered blocks under `key` until `deadline` (a time.monotonic() value).
         Older pins are dropped first to stay within max_pinned_blocks; False if it cannot fit at all."""
-        blocks = request.block_table[: request.num_registered_blocks]
+        # Released blocks are not the request's to pin; they stay cached in the pool until handed out again.
+        blocks = request.block_table[request.num_released_blocks : request.num_registered_blocks]
         self.unpin(key)
         new = len(set(blocks) - self._pinned.keys())
         if not blocks or new > self.max_pinned_blocks:
@@ -202,11 +203,16 @@ class BlockManager:
         partial = parent.block_table[num_full : -(-num_tokens // self.block_size)]
         if not self.can_allocate(len(partial)):
             return None
-        for block_id in shared:
+        released = parent.num_released_blocks
+        for block_id in shared[released:]:
             self._refs[block_id] += 1
         copies = [(source, self._take()) for source in partial]
         child.block_table = shared + array("q", (destination for _, destination in copies))
         child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        child.num_released_blocks = released
+        if released:
+            # The parent's released entries name its first held block, which may be the copied one.
+            point_released(child.block_table, released)
         return copies
 
     def truncate(self, request: Request, num_tokens: int) -> None:
@@ -218,10 +224,10 @@ class BlockManager:
 
     def deallocate(self, request: Request) -> None:
         """Let go of every block of `request`; unshared ones return to the pool."""
-        for block_id in request.block_table:
+        for block_id in request.block_table[request.num_released_blocks :]:
             self._release(block_id)
         del request.block_table[:]
-        request.num_registered_blocks = 0
+        request.num_registered_blocks = request.num_released_blocks = 0
 
     def _release(self, block_id: int) -> None:
         self._refs[block_id] -= 1
@@ -247,7 +253,12 @@ class BlockManager:
             raise AssertionError("a block is both free and used")
         if len(free) + len(self._refs) != self.num_blocks:
             raise AssertionError(f"free {len(free)} + used {len(self._refs)} != {self.num_blocks}")
-        listed = Counter(block_id for request in requests for block_id in request.block_table)
+        listed: Counter[int] = Counter()
+        for request in requests:
+            table, released = request.block_table, request.num_released_blocks
+            if released and (len(table) <= released or any(b != table[released] for b in table[:released])):
+                raise AssertionError(f"a released entry of {request.request_id} names no block it holds")
+            listed.update(table[released:])
         listed.update(block_id for blocks, _ in self._pins.values() for block_id in blocks)
         if listed != Counter(self._refs):
             raise AssertionError(f"block tables list {dict(listed)}, but the pool counts {self._refs}")
@@ -290,6 +301,17 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     (torch.zeros writes every page). The tensor keeps the mapping alive."""
     buffer = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+def point_released(table: array, num_released: int) -> None:
+    """Name the first held block in each of `table`'s `num_released` released entries. A released block may
+    be handed to another request at once; the CPU and Triton kernels never load a key before a query's
+    window (their loops start at its first block), but torch's SDPA gathers a context from position 0 and
+    masks what lies outside, and a zero weight times a NaN or Inf that a reused block may hold is still
+    NaN. The request's own first held block reads no more than the window does: the keys it holds are
+    the window's first (or, past them, slots the gather reads as padding today), and nobody else writes it
+    while the request holds it."""
+    table[:num_released] = array("q", (table[num_released],)) * num_released
 
 
 def flat_block_tables(tables: Iterable[Sequence[int]], width: int, pad: int = 0) -> array:

@@ -79,6 +79,9 @@ class Request:
     # and an array's is copied whole where a list's ints are converted one at a time (at 256 streams
     # of 2,000-token contexts, 1.2 ms a step against 0.03).
     block_table: array = field(default_factory=lambda: array("q"))
+    # Where every layer slides a window (engine/kv_window.py): the first this many entries of block_table
+    # were handed back, no future query reading their keys; each names the first block still held.
+    num_released_blocks: int = 0
     # Prefix caching: hashes of the full blocks of token_ids so far, how many of the request's
     # blocks are registered in the cache, and how many prompt tokens the cache held at admission.
     block_hashes: list[int] = field(default_factory=list)

@@ -1,0 +1,179 @@
+"""A model whose every layer slides a window hands back the blocks no future query reads
+(engine/kv_window.py): a long generation holds a window's worth of blocks, with outputs unchanged."""
+
+from array import array
+
+import pytest
+
+import engine.engine as engine_module
+from engine.config import SpeculativeConfig
+from engine.kv_cache import BlockManager
+from engine.kv_window import WindowedBlockManager, windowed_reach
+from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded
+from engine.types import SamplingParams
+from tests.conftest import CACHE_DIR
+from tests.unit.helpers import collect, hf_greedy_logprobs, make_request, tokens_of
+
+WINDOW, BLOCK, BUDGET = 8, 4, 8
+PROMPT = list(range(30, 50))
+NEW_TOKENS = 48
+# A step holds the window's blocks, the step's new tokens' and a block cut at either end.
+MOST_HELD = -(-(WINDOW + BUDGET) // BLOCK) + 2
+
+
+def _loaded(tokenizer, kernels=True, repetitive=False):
+    hf = tiny_hf_model("mistral", repetitive=repetitive, sliding_window=WINDOW)
+    return tiny_loaded(tokenizer, "mistral", hf_model=hf, kernels_cache=CACHE_DIR if kernels else None)
+
+
+def _watched(loaded, **overrides):
+    """A tiny engine whose block manager checks its integrity at every step boundary and records the most
+    blocks any request held after an allocation."""
+    engine = tiny_engine(loaded, block_size=BLOCK, max_num_batched_tokens=BUDGET, **overrides)
+    manager, most = engine.block_manager, [0]
+    allocate, register = manager.allocate, manager.register
+
+    def watched_allocate(request, num_new_tokens):
+        allocate(request, num_new_tokens)
+        most[0] = max(most[0], len(request.block_table) - request.num_released_blocks)
+
+    def watched_register(request):
+        register(request)
+        manager.check_integrity(engine.scheduler.requests())
+
+    manager.allocate, manager.register = watched_allocate, watched_register
+    return engine, most
+
+
+async def _generate(engine, prompts, params):
+    engine.start()
+    try:
+        return [await collect(engine, p, params) for p in prompts]
+    finally:
+        engine.shutdown()
+
+
+def _tokens_and_logprobs(chunks):
+    return [(t, lp.logprob) for c in chunks for t, lp in zip(c.token_ids, c.logprobs)]
+
+
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["invariant-kernels", "torch-kernels"])
+async def test_a_long_generation_holds_a_window_of_blocks_with_outputs_unchanged(
+    default_tokenizer, monkeypatch, kernels
+):
+    loaded = _loaded(default_tokenizer, kernels)
+    engine, most = _watched(loaded)
+    assert isinstance(engine.block_manager, WindowedBlockManager)
+    (freed,) = await _generate(engine, [PROMPT], GREEDY)
+    assert most[0] <= MOST_HELD
+    assert engine.block_manager.num_used == 0
+    expected = hf_greedy_logprobs(tiny_hf_model("mistral", sliding_window=WINDOW), PROMPT, NEW_TOKENS)
+    assert tokens_of(freed) == [token for token, _ in expected]
+    assert [lp for _, lp in _tokens_and_logprobs(freed)] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+    monkeypatch.setattr(engine_module, "windowed_reach", lambda windows: 0)
+    kept, most_kept = _watched(loaded)
+    assert type(kept.block_manager) is BlockManager
+    (unfreed,) = await _generate(kept, [PROMPT], GREEDY)
+    assert most_kept[0] == -(-(len(PROMPT) + NEW_TOKENS - 1) // BLOCK) > MOST_HELD
+    assert _tokens_and_logprobs(freed) == _tokens_and_logprobs(unfreed)
+
+
+async def test_released_blocks_stay_cached_for_the_same_prefix(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    engine, _ = _watched(loaded)
+    first, second = await _generate(engine, [PROMPT, PROMPT], GREEDY)
+    assert _tokens_and_logprobs(second) == _tokens_and_logprobs(first)
+    # The second found every full block of the prompt but the last token's, released as they were.
+    assert engine.block_manager.num_prefix_hits == (len(PROMPT) - 1) // BLOCK * BLOCK
+    engine.block_manager.check_integrity([])
+
+
+async def test_a_pool_that_reuses_released_blocks_gives_the_same_outputs(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    (alone,) = await _generate(_watched(loaded)[0], [PROMPT], GREEDY)
+    # Too few blocks for the whole sequence: the released ones are handed out again, and the second request
+    # finds none of its prefix cached.
+    engine, _ = _watched(loaded, num_kv_blocks=MOST_HELD + 1)
+    first, second = await _generate(engine, [PROMPT, PROMPT], GREEDY)
+    assert _tokens_and_logprobs(first) == _tokens_and_logprobs(second) == _tokens_and_logprobs(alone)
+
+
+async def test_n_choices_share_the_released_prefix(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    (alone,) = await _generate(_watched(loaded)[0], [PROMPT], GREEDY)
+    engine, most = _watched(loaded)
+    (chunks,) = await _generate(engine, [PROMPT], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, n=3))
+    choices = {}
+    for chunk in chunks:
+        choices.setdefault(chunk.index, []).extend(chunk.token_ids)
+    assert list(choices.values()) == [tokens_of(alone)] * 3
+    assert most[0] <= MOST_HELD
+    assert engine.block_manager.num_used == 0
+
+
+async def test_ngram_speculation_stays_lossless(default_tokenizer):
+    loaded = _loaded(default_tokenizer, repetitive=True)
+    prompts = [[378] * 8 + list(range(100, 112)), list(range(200, 220))]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    plain = await _generate(_watched(loaded)[0], prompts, params)
+    engine, most = _watched(loaded, speculative=SpeculativeConfig("ngram", num_tokens=4, max_batch_size=16))
+    speculated = await _generate(engine, prompts, params)
+    assert [tokens_of(c) for c in speculated] == [tokens_of(c) for c in plain]
+    assert engine.speculation.num_accepted_tokens > 0
+    assert most[0] <= MOST_HELD
+
+
+async def test_a_draft_model_keeps_every_block(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    draft = SpeculativeConfig("draft", num_tokens=3, max_batch_size=16)
+    engine = tiny_engine(loaded, draft_model=loaded.model.first_layers(1), speculative=draft)
+    assert type(engine.block_manager) is BlockManager
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "llama"])
+def test_a_model_with_a_global_layer_frees_nothing(default_tokenizer, model_type):
+    loaded = tiny_loaded(default_tokenizer, model_type)
+    assert windowed_reach(loaded.model.family.windows) == 0
+    assert type(tiny_engine(loaded).block_manager) is BlockManager
+
+
+def test_released_entries_name_the_first_held_block_through_fork_and_deallocate():
+    manager = WindowedBlockManager(num_blocks=12, block_size=4, window=4)
+    parent = make_request(14)
+    manager.allocate(parent, 14)
+    parent.num_computed_tokens = 14
+    manager.register(parent)
+    # Blocks wholly before 14 - 4 = 10: the first two.
+    assert parent.num_released_blocks == 2
+    assert parent.block_table[:2] == array("q", [parent.block_table[2]] * 2)
+    assert manager.num_used == 2 and manager.num_cached == 3
+    child = make_request(14)
+    assert manager.fork(parent, child, 14) is not None
+    assert child.num_released_blocks == 2 and child.block_table[:3] == parent.block_table[:3]
+    manager.check_integrity([parent, child])
+    child.block_table[0] = child.block_table[3]
+    with pytest.raises(AssertionError, match="released entry"):
+        manager.check_integrity([parent, child])
+    child.block_table[0] = child.block_table[2]
+    manager.deallocate(parent)
+    manager.deallocate(child)
+    assert child.num_released_blocks == 0 and manager.num_used == 0
+    manager.check_integrity([])
+    # The released blocks kept their registration in the pool: a new request adopts the whole prefix.
+    assert len(manager.cached_prefix(make_request(14))) == 3
+
+
+def test_a_pin_holds_only_the_blocks_still_held():
+    manager = WindowedBlockManager(num_blocks=12, block_size=4, window=4, max_pinned_blocks=6)
+    request = make_request(14)
+    manager.allocate(request, 14)
+    request.num_computed_tokens = 14
+    manager.register(request)
+    assert manager.pin("k", request, deadline=1e18)
+    manager.deallocate(request)
+    assert manager.num_pinned == 1
+    manager.check_integrity([])
