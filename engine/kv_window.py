@@ -28,6 +28,21 @@ class WindowedBlockManager(BlockManager):
         super().__init__(num_blocks, block_size, enable_prefix_caching, max_pinned_blocks)
         self.window = window
 
+    def num_blocks_to_admit(self, cached: list[int], num_new_tokens: int) -> int:
+        """As BlockManager's, less the cached blocks in the pool that the window has passed already:
+        adopt_prefix hands them back at once."""
+        passed = self._num_passed(len(cached) * self.block_size)
+        in_pool = sum(1 for block_id in cached[:passed] if block_id in self._free)
+        return super().num_blocks_to_admit(cached, num_new_tokens) - in_pool
+
+    def adopt_prefix(self, request: Request, block_ids: list[int]) -> None:
+        super().adopt_prefix(request, block_ids)
+        self.register(request)
+
+    def _num_passed(self, num_computed_tokens: int) -> int:
+        """Blocks wholly before the keys the next query (at `num_computed_tokens`) or any later one reads."""
+        return max(0, (num_computed_tokens - self.window) // self.block_size)
+
     def register(self, request: Request) -> None:
         """Register the newly full blocks, then hand back those the window has passed. Called at every step
         boundary, after a speculative rollback, so `num_computed_tokens` counts only kept tokens. With a
@@ -35,7 +50,7 @@ class WindowedBlockManager(BlockManager):
         written by another request only in a later step, after the step in flight has read it (stream
         order)."""
         super().register(request)
-        released = (request.num_computed_tokens - self.window) // self.block_size
+        released = self._num_passed(request.num_computed_tokens)
         start = request.num_released_blocks
         if released <= start:
             return

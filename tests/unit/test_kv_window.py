@@ -39,7 +39,9 @@ def _watched(loaded, **overrides):
 
     def watched_register(request):
         register(request)
-        manager.check_integrity(engine.scheduler.requests())
+        # Admission registers a request between the waiting queue and the running one.
+        requests = engine.scheduler.requests()
+        manager.check_integrity(requests if request in requests else [*requests, request])
 
     manager.allocate, manager.register = watched_allocate, watched_register
     return engine, most
@@ -163,8 +165,16 @@ def test_released_entries_name_the_first_held_block_through_fork_and_deallocate(
     manager.deallocate(child)
     assert child.num_released_blocks == 0 and manager.num_used == 0
     manager.check_integrity([])
-    # The released blocks kept their registration in the pool: a new request adopts the whole prefix.
-    assert len(manager.cached_prefix(make_request(14))) == 3
+    # The released blocks kept their registration in the pool: a new request adopts the whole prefix, and
+    # takes only the block its window still reads, plus one for its last two tokens.
+    newcomer = make_request(14)
+    cached = manager.cached_prefix(newcomer)
+    assert len(cached) == 3
+    assert manager.num_blocks_to_admit(cached, 2) == 2 < BlockManager(12, 4).num_blocks_to_admit(cached, 2)
+    manager.adopt_prefix(newcomer, cached)
+    manager.allocate(newcomer, 2)
+    assert newcomer.num_released_blocks == 2 and manager.num_used == 2
+    manager.check_integrity([newcomer])
 
 
 def test_a_pin_holds_only_the_blocks_still_held():
