@@ -1,6 +1,7 @@
 """A model whose every layer slides a window hands back the blocks no future query reads
 (engine/kv_window.py): a long generation holds a window's worth of blocks, with outputs unchanged."""
 
+import asyncio
 from array import array
 
 import pytest
@@ -102,6 +103,21 @@ async def test_a_pool_that_reuses_released_blocks_gives_the_same_outputs(default
     engine, _ = _watched(loaded, num_kv_blocks=MOST_HELD + 1)
     first, second = await _generate(engine, [PROMPT, PROMPT], GREEDY)
     assert _tokens_and_logprobs(first) == _tokens_and_logprobs(second) == _tokens_and_logprobs(alone)
+
+
+async def test_preempted_requests_recompute_the_same_outputs(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    prompts = [PROMPT, list(range(100, 117)), list(range(200, 226))]
+    alone = [(await _generate(_watched(loaded)[0], [p], GREEDY))[0] for p in prompts]
+    # Room for one request's window and little more: the youngest are preempted and recompute.
+    engine, _ = _watched(loaded, num_kv_blocks=MOST_HELD + 2)
+    engine.start()
+    try:
+        together = await asyncio.gather(*[collect(engine, p, GREEDY) for p in prompts])
+    finally:
+        engine.shutdown()
+    assert engine.scheduler.num_preemptions > 0
+    assert [_tokens_and_logprobs(c) for c in together] == [_tokens_and_logprobs(c) for c in alone]
 
 
 async def test_n_choices_share_the_released_prefix(default_tokenizer):
