@@ -120,6 +120,17 @@ async def test_preempted_requests_recompute_the_same_outputs(default_tokenizer):
     assert [_tokens_and_logprobs(c) for c in together] == [_tokens_and_logprobs(c) for c in alone]
 
 
+async def test_overlapped_steps_release_the_same_blocks_with_the_same_outputs(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    prompts = [PROMPT, list(range(100, 117))]
+    plain = await _generate(_watched(loaded)[0], prompts, GREEDY)
+    engine, most = _watched(loaded, overlap_steps=True)
+    assert engine.overlap is not None
+    overlapped = await _generate(engine, prompts, GREEDY)
+    assert [_tokens_and_logprobs(c) for c in overlapped] == [_tokens_and_logprobs(c) for c in plain]
+    assert most[0] <= MOST_HELD
+
+
 async def test_n_choices_share_the_released_prefix(default_tokenizer):
     loaded = _loaded(default_tokenizer)
     (alone,) = await _generate(_watched(loaded)[0], [PROMPT], GREEDY)
