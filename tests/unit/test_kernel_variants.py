@@ -14,6 +14,10 @@ from tests.conftest import CACHE_DIR
 from tests.unit.test_decoder import _random_norms
 from tests.unit.test_weight_forms import random_blocks
 
+SHAPES = [(576, 576), (17, 96), (1536, 160), (49152, 64)]
+# The k-quants' super-blocks span 256 weights of K.
+SUPER_BLOCK_SHAPES = [(576, 512), (17, 256), (8200, 256)]
+
 VARIANTS = runnable_variants()
 pytestmark = pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs one variant of the kernels")
 
@@ -34,8 +38,15 @@ def _packed(library, form: WeightForm, out_features: int, in_features: int) -> P
     )
 
 
-@pytest.mark.parametrize("form", list(WeightForm), ids=lambda form: form.name)
-@pytest.mark.parametrize(("out_features", "in_features"), [(576, 576), (17, 96), (1536, 160), (49152, 64)])
+@pytest.mark.parametrize(
+    ("form", "out_features", "in_features"),
+    [
+        (form, *shape)
+        for form in WeightForm
+        for shape in (SUPER_BLOCK_SHAPES if form in (WeightForm.Q4_K, WeightForm.Q6_K) else SHAPES)
+    ],
+    ids=lambda value: getattr(value, "name", str(value)),
+)
 def test_every_variant_gives_the_same_linear_bits(libraries, form, out_features, in_features):
     x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(out_features))
     first, *others = (_packed(library, form, out_features, in_features) for library in libraries)

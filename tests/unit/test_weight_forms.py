@@ -1,4 +1,4 @@
-"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0 and Q4_1 blocks, bfloat16):
+"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q4_K and Q6_K blocks, bfloat16):
 bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
@@ -12,14 +12,19 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 from safetensors import safe_open
 
-from engine.kernels.cpu.invariant import BLOCK_BYTES, PackedEmbedding, PackedLinear, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, PackedEmbedding, PackedLinear, WeightForm
 from engine.kernels.cpu.native import load_library
 from engine.model.loader import load_model
 from engine.tiny import tiny_hf_model
 from tests.conftest import CACHE_DIR
 
-GGUF_TYPES = {WeightForm.Q8_0: GGMLQuantizationType.Q8_0, WeightForm.Q4_1: GGMLQuantizationType.Q4_1}
+GGUF_TYPES = {form: GGMLQuantizationType[form.name] for form in BLOCK_BYTES}
 SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
+# The k-quants' super-blocks span 256 weights of K; N is no multiple of a panel's 16 columns.
+SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)]
+# The fp16 scales' spread: the k-quants' weights then spread about as a tiny model's (0.2), since a model of
+# them (tests/unit/test_gguf.py) would otherwise amplify rounding differences from layer to layer.
+SCALE_SPREAD = {WeightForm.Q8_0: 0.05, WeightForm.Q4_1: 0.05, WeightForm.Q4_K: 6e-4, WeightForm.Q6_K: 1.5e-4}
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +35,16 @@ def library():
 
 
 def random_blocks(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
-    """GGUF blocks of `form` with random scales (and offsets) and every quantized value drawn."""
-    groups = out_features * in_features // 32
+    """GGUF blocks of `form` with random fp16 scales (and offsets, or minimums' scales) and every other byte
+    drawn: the quantized values and the k-quants' sub-block scales, any of whose bits are valid."""
+    blocks = out_features * in_features // BLOCK_WEIGHTS[form]
     generator = np.random.default_rng(out_features * 7919 + in_features)
-    halves = (generator.standard_normal((groups, 2)) * 0.05).astype(np.float16).view(np.uint8)
-    if form == WeightForm.Q8_0:
-        blocks = np.concatenate([halves[:, :2], generator.integers(0, 256, (groups, 32), dtype=np.uint8)], axis=1)
-    else:
-        blocks = np.concatenate([halves, generator.integers(0, 256, (groups, 16), dtype=np.uint8)], axis=1)
-    return torch.from_numpy(blocks.reshape(out_features, -1).copy())
+    data = generator.integers(0, 256, (blocks, BLOCK_BYTES[form]), dtype=np.uint8)
+    halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[form]).astype(np.float16)
+    # Where each form keeps its fp16 values: d (Q8_0); d, m (Q4_1); d, dmin (Q4_K); d at the block's end (Q6_K).
+    where = {WeightForm.Q8_0: slice(0, 2), WeightForm.Q6_K: slice(208, 210)}.get(form, slice(0, 4))
+    data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
+    return torch.from_numpy(data.reshape(out_features, -1).copy())
 
 
 def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> None:
@@ -57,14 +63,22 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
     assert torch.equal(out, full[:5]) and torch.equal(maxima, reference.with_block_max(x[:5])[1])
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q8_0, WeightForm.Q4_1])
-@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize(
+    ("form", "out_features", "in_features"),
+    [
+        *((form, *shape) for form in (WeightForm.Q8_0, WeightForm.Q4_1) for shape in SHAPES),
+        *((form, *shape) for form in (WeightForm.Q4_K, WeightForm.Q6_K) for shape in SUPER_BLOCK_SHAPES),
+    ],
+    ids=lambda value: getattr(value, "name", str(value)),
+)
 def test_gguf_blocks_give_the_float32_kernels_bits(library, form, out_features, in_features):
     blocks = random_blocks(form, out_features, in_features)
     weight = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]).reshape(out_features, in_features))
     packed = PackedLinear.pack_blocks(library, form, blocks, out_features, in_features)
-    # The blocks' own bytes, the last panel's columns padded to 16.
-    assert packed.panels.numel() == -(-out_features // 16) * 16 * in_features // 32 * BLOCK_BYTES[form]
+    # The blocks' own bytes, the last panel's columns padded to 16 (Q4_K's sub-block scales and minimums take
+    # a byte each, 16 of a block's 144 bytes where they were 12).
+    block_bytes = BLOCK_BYTES[form] + (4 if form == WeightForm.Q4_K else 0)
+    assert packed.panels.numel() == -(-out_features // 16) * 16 * in_features // BLOCK_WEIGHTS[form] * block_bytes
     assert_same_bits(library, packed, weight)
 
 
@@ -91,11 +105,15 @@ def test_blocks_of_the_wrong_shape_are_refused(library):
         PackedLinear.pack_blocks(library, WeightForm.Q4_1, torch.zeros(4, 20, dtype=torch.uint8), 4, 40)
 
 
-def test_unpacked_gives_the_values_the_kernel_widens_to(library):
-    blocks = random_blocks(WeightForm.Q4_1, 40, 64)
-    packed = PackedLinear.pack_blocks(library, WeightForm.Q4_1, blocks, 40, 64)
-    expected = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType.Q4_1))
+@pytest.mark.parametrize("form", [WeightForm.Q4_1, WeightForm.Q4_K, WeightForm.Q6_K])
+def test_unpacked_gives_the_values_the_kernel_widens_to(library, form):
+    blocks = random_blocks(form, 40, 512)
+    packed = PackedLinear.pack_blocks(library, form, blocks, 40, 512)
+    expected = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]))
     assert torch.equal(packed.unpacked().view(torch.int32), expected.view(torch.int32))
+    # As a tied head's rows read back as the input embedding.
+    ids = torch.tensor([[0, 17, 39], [5, 5, 16]])
+    assert torch.equal(PackedEmbedding(packed)(ids).view(torch.int32), expected[ids].view(torch.int32))
     weight = torch.randn(33, 7).bfloat16()
     assert torch.equal(PackedLinear.pack(library, weight).unpacked(), weight.float())
 

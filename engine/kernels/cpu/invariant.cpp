@@ -1,6 +1,6 @@
 // Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA, and with AVX-512 (the avx2-fma and avx512
 // variants of native.py: one build each), the linear layer's weights held in the form they ship in (float32,
-// bfloat16, GGUF Q8_0 or Q4_1 blocks) and widened exactly to float32 in registers.
+// bfloat16, GGUF Q8_0, Q4_1, Q4_K or Q6_K blocks) and widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
@@ -49,6 +49,23 @@ inline Lanes fma_lanes(float x, Lanes w, Lanes acc) { return {_mm512_fmadd_ps(_m
 inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Lanes mul_lanes(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Lanes halves_to_lanes(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+// a * b - c, one rounding per lane.
+inline Lanes fms_lanes(Lanes a, Lanes b, Lanes c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
+inline Lanes uint8s_to_lanes(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+}
+inline Lanes int8s_to_lanes(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+}
+// 8 bytes holding lane j in byte j's low nibble and lane j + 8 in its high one, as 0.0 .. 15.0: the bytes
+// twice, lanes 8-15 shifted down to their high nibble, and a permute reads each lane's low 4 bits as the
+// index of its value (no mask, no conversion).
+inline Lanes nibbles_to_lanes(const uint8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64((const __m128i*)p);
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes));
+  const __m512i shifted = _mm512_srlv_epi32(wide, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
+  return {_mm512_permutexvar_ps(shifted, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))};
+}
 #else
 struct Lanes {
   __m256 lo, hi;
@@ -70,6 +87,22 @@ inline Lanes mul_lanes(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _m
 inline Lanes halves_to_lanes(const uint8_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1))};
 }
+inline Lanes fms_lanes(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)};
+}
+inline Lanes uint8s_to_lanes(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+inline Lanes int8s_to_lanes(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
+}
+inline Lanes nibbles_to_lanes(const uint8_t* p) {
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))),
+          _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4))};
+}
 #endif
 
 // The forms a packed weight's panel holds its 16 columns in, each read one group of k at a time and
@@ -83,22 +116,53 @@ inline Lanes halves_to_lanes(const uint8_t* p) {
 //          in its low nibble and column j + 8 in its high one; w = (d * q) + m, two roundings, as GGUF's
 //          dequantizer computes it. d * q is exact in float32 (11 significant bits times 4), so one FMA
 //          rounds the same sum once: the kernels take the FMA, the scalar variant the two roundings.
-enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3 };
+//   kQ4_K: per 256 k, the columns' d then dmin (fp16); then per 32 k their 6-bit scales sc then mins m (a
+//          byte each) and 32 x 8 bytes of nibbles as kQ4_1's; w = (d * sc) * q - (dmin * m), as GGUF's
+//          dequantizer computes it. Both products with sc and m, and (d * sc) * q, are exact in float32
+//          (11 + 6 + 4 significant bits), so only the subtraction rounds: one FMA (a fused multiply-
+//          subtract) in the kernels, the written-out operations in the scalar variant.
+//   kQ6_K: per 256 k, the columns' d (fp16); then per 16 k their int8 scales, 16 x 8 bytes holding the low
+//          4 bits of q + 32 as kQ4_1's nibbles, and 16 x 4 bytes holding its high 2 bits (column c's at
+//          bits 2c and 2c + 1); w = (d * scale) * q, as GGUF's dequantizer computes it: d * scale is exact,
+//          the product with q rounds once.
+// The k-quants' super-block scales sit in a header before each 256 k of groups, read once a group: a Q6_K
+// panel holds as many bytes a weight as the GGUF blocks it came from, a Q4_K one 148 for each 144 (its 6-bit
+// scales and mins unpacked to a byte each, which the kernels then read with one load).
+enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5 };
 
-struct F32 {
-  static constexpr int kGroup = 1;
-  static constexpr int64_t kGroupBytes = kPanel * 4;
-  struct Scales {};
-  static Scales scales(const uint8_t*) { return {}; }
-  static Lanes widen(const uint8_t* group, const Scales&, int) { return load_lanes((const float*)group); }
-  static float scalar(const uint8_t* group, int, int c) { return ((const float*)group)[c]; }
+// A form's groups of kGroup k, each with its own Scales, GroupBytes apart in a panel; sl_pack reads the
+// source's blocks of kBlock k.
+template <int Group, int64_t GroupBytes>
+struct Groups {
+  static constexpr int kGroup = Group, kBlock = Group;
+  static int64_t offset(int64_t g) { return g * GroupBytes; }
+  static int64_t bytes(int64_t k_dim) { return k_dim / Group * GroupBytes; }
 };
 
-struct BF16 {
-  static constexpr int kGroup = 1;
-  static constexpr int64_t kGroupBytes = kPanel * 2;
+// GGUF's k-quants: super-blocks of 256 k, each a header of HeaderBytes (the columns' scales of the scales)
+// then its groups.
+template <int Group, int64_t GroupBytes, int64_t HeaderBytes>
+struct SuperBlocks {
+  static constexpr int kGroup = Group, kBlock = 256;
+  static constexpr int64_t kBlockBytes = HeaderBytes + kBlock / Group * GroupBytes;
+  static int64_t header(int64_t g) { return g / (kBlock / Group) * kBlockBytes; }
+  static int64_t offset(int64_t g) { return header(g) + HeaderBytes + g % (kBlock / Group) * GroupBytes; }
+  static int64_t bytes(int64_t k_dim) { return k_dim / kBlock * kBlockBytes; }
+};
+
+// Every form: scales(panel, g), the Scales of group g; widen(group, scales, kk), the group's 16 columns at
+// its k kk (group: panel + offset(g)); scalar(panel, k, c), column c at k, the same value.
+
+struct F32 : Groups<1, kPanel * 4> {
   struct Scales {};
-  static Scales scales(const uint8_t*) { return {}; }
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
+  static Lanes widen(const uint8_t* group, const Scales&, int) { return load_lanes((const float*)group); }
+  static float scalar(const uint8_t* panel, int64_t k, int c) { return ((const float*)(panel + offset(k)))[c]; }
+};
+
+struct BF16 : Groups<1, kPanel * 2> {
+  struct Scales {};
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
 #if defined(__AVX512F__)
   static Lanes widen(const uint8_t* group, const Scales&, int) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)group));
@@ -111,67 +175,121 @@ struct BF16 {
   }
   static Lanes widen(const uint8_t* group, const Scales&, int) { return {widen8(group), widen8(group + 16)}; }
 #endif
-  static float scalar(const uint8_t* group, int, int c) {
-    const uint32_t bits = (uint32_t)((const uint16_t*)group)[c] << 16;
+  static float scalar(const uint8_t* panel, int64_t k, int c) {
+    const uint32_t bits = (uint32_t)((const uint16_t*)(panel + offset(k)))[c] << 16;
     float w;
     memcpy(&w, &bits, 4);
     return w;
   }
 };
 
-inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+inline float half_to_float(const uint8_t* halves, int c) { return _cvtsh_ss(((const uint16_t*)halves)[c]); }
 
-struct Q8_0 {
-  static constexpr int kGroup = 32;
-  static constexpr int64_t kGroupBytes = kPanel * 2 + kGroup * kPanel;
+// Column c's 4-bit value at k kk of nibbles laid out as kQ4_1's.
+inline int nibble(const uint8_t* nibbles, int kk, int c) {
+  const uint8_t byte = nibbles[kk * (kPanel / 2) + c % 8];
+  return c < 8 ? byte & 15 : byte >> 4;
+}
+inline void set_nibble(uint8_t* nibbles, int kk, int c, int q) {
+  nibbles[kk * (kPanel / 2) + c % 8] |= (uint8_t)(c < 8 ? q : q << 4);
+}
+
+struct Q8_0 : Groups<32, kPanel * 2 + 32 * kPanel> {
   struct Scales {
     Lanes d;
   };
-  static Scales scales(const uint8_t* group) { return {halves_to_lanes(group)}; }
+  static Scales scales(const uint8_t* panel, int64_t g) { return {halves_to_lanes(panel + offset(g))}; }
   static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
-    const uint8_t* q = group + kPanel * 2 + kk * kPanel;
-#if defined(__AVX512F__)
-    const Lanes values = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)))};
-#else
-    const Lanes values = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q))),
-                          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8))))};
-#endif
-    return mul_lanes(values, s.d);
+    return mul_lanes(int8s_to_lanes(group + kPanel * 2 + kk * kPanel), s.d);
   }
-  static float scalar(const uint8_t* group, int kk, int c) {
-    const float d = half_to_float(((const uint16_t*)group)[c]);
-    return (float)((const int8_t*)group)[kPanel * 2 + kk * kPanel + c] * d;
+  static float scalar(const uint8_t* panel, int64_t k, int c) {
+    const uint8_t* group = panel + offset(k / kGroup);
+    return (float)((const int8_t*)group)[kPanel * 2 + k % kGroup * kPanel + c] * half_to_float(group, c);
   }
 };
 
-struct Q4_1 {
-  static constexpr int kGroup = 32;
-  static constexpr int64_t kGroupBytes = kPanel * 4 + kGroup * kPanel / 2;
+struct Q4_1 : Groups<32, kPanel * 4 + 32 * kPanel / 2> {
   struct Scales {
     Lanes d, m;
   };
-  static Scales scales(const uint8_t* group) { return {halves_to_lanes(group), halves_to_lanes(group + kPanel * 2)}; }
-  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
-    const __m128i bytes = _mm_loadl_epi64((const __m128i*)(group + kPanel * 4 + kk * (kPanel / 2)));
-#if defined(__AVX512F__)
-    // The 8 bytes twice, lanes 8-15 shifted down to their high nibble; a permute reads each lane's low 4 bits
-    // as the index of its value in 0.0 .. 15.0 (no mask, no conversion).
-    const __m512i wide = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes));
-    const __m512i shifted = _mm512_srlv_epi32(wide, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
-    const Lanes values = {
-        _mm512_permutexvar_ps(shifted, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))};
-#else
-    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
-    const Lanes values = {_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))),
-                          _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4))};
-#endif
-    return fma_lanes(s.d, values, s.m);
+  static Scales scales(const uint8_t* panel, int64_t g) {
+    const uint8_t* group = panel + offset(g);
+    return {halves_to_lanes(group), halves_to_lanes(group + kPanel * 2)};
   }
-  static float scalar(const uint8_t* group, int kk, int c) {
-    const uint16_t* h = (const uint16_t*)group;
-    const uint8_t byte = group[kPanel * 4 + kk * (kPanel / 2) + c % 8];
-    const float q = (float)(c < 8 ? byte & 15 : byte >> 4);
-    return half_to_float(h[c]) * q + half_to_float(h[kPanel + c]);
+  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
+    return fma_lanes(s.d, nibbles_to_lanes(group + kPanel * 4 + kk * (kPanel / 2)), s.m);
+  }
+  static float scalar(const uint8_t* panel, int64_t k, int c) {
+    const uint8_t* group = panel + offset(k / kGroup);
+    const float q = (float)nibble(group + kPanel * 4, (int)(k % kGroup), c);
+    return half_to_float(group, c) * q + half_to_float(group + kPanel * 2, c);
+  }
+};
+
+struct Q4_K : SuperBlocks<32, kPanel * 2 + 32 * kPanel / 2, kPanel * 4> {
+  struct Scales {
+    Lanes d, m;  // d * sc and dmin * m
+  };
+  static Scales scales(const uint8_t* panel, int64_t g) {
+    const uint8_t* head = panel + header(g);
+    const uint8_t* group = panel + offset(g);
+    return {mul_lanes(halves_to_lanes(head), uint8s_to_lanes(group)),
+            mul_lanes(halves_to_lanes(head + kPanel * 2), uint8s_to_lanes(group + kPanel))};
+  }
+  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
+    return fms_lanes(s.d, nibbles_to_lanes(group + kPanel * 2 + kk * (kPanel / 2)), s.m);
+  }
+  static float scalar(const uint8_t* panel, int64_t k, int c) {
+    const uint8_t* head = panel + header(k / kGroup);
+    const uint8_t* group = panel + offset(k / kGroup);
+    const float d = half_to_float(head, c) * (float)group[c];
+    const float m = half_to_float(head + kPanel * 2, c) * (float)group[kPanel + c];
+    return d * (float)nibble(group + kPanel * 2, (int)(k % kGroup), c) - m;
+  }
+};
+
+struct Q6_K : SuperBlocks<16, kPanel + 16 * kPanel / 2 + 16 * kPanel / 4, kPanel * 2> {
+  static constexpr int64_t kHigh = kPanel + 16 * kPanel / 2;  // the high bits' offset in a group
+  struct Scales {
+    Lanes d;  // d * scale
+  };
+  static Scales scales(const uint8_t* panel, int64_t g) {
+    return {mul_lanes(halves_to_lanes(panel + header(g)), int8s_to_lanes(panel + offset(g)))};
+  }
+  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
+    const __m128i low = _mm_loadl_epi64((const __m128i*)(group + kPanel + kk * (kPanel / 2)));
+    uint32_t high;
+    memcpy(&high, group + kHigh + kk * (kPanel / 4), 4);
+#if defined(__AVX512F__)
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, low)),
+                          _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0)),
+        _mm512_set1_epi32(15));
+    const __m512i twos = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32((int)high),
+                          _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0)),
+        _mm512_set1_epi32(3));
+    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(nibbles, _mm512_slli_epi32(twos, 4)), _mm512_set1_epi32(32));
+    const Lanes values = {_mm512_cvtepi32_ps(q)};
+#else
+    const __m256i bytes = _mm256_cvtepu8_epi32(low), bits = _mm256_set1_epi32((int)high);
+    auto column_values = [&](__m256i nibbles, __m256i shifts) {
+      const __m256i twos = _mm256_and_si256(_mm256_srlv_epi32(bits, shifts), _mm256_set1_epi32(3));
+      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(nibbles, _mm256_slli_epi32(twos, 4)), _mm256_set1_epi32(32));
+      return _mm256_cvtepi32_ps(q);
+    };
+    const Lanes values = {
+        column_values(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0)),
+        column_values(_mm256_srli_epi32(bytes, 4), _mm256_set_epi32(30, 28, 26, 24, 22, 20, 18, 16))};
+#endif
+    return mul_lanes(s.d, values);
+  }
+  static float scalar(const uint8_t* panel, int64_t k, int c) {
+    const uint8_t* group = panel + offset(k / kGroup);
+    const int kk = (int)(k % kGroup);
+    const float d = half_to_float(panel + header(k / kGroup), c) * (float)((const int8_t*)group)[c];
+    const int high = group[kHigh + kk * (kPanel / 4) + c / 4] >> (c % 4 * 2) & 3;
+    return d * (float)((nibble(group + kPanel, kk, c) | high << 4) - 32);
   }
 };
 
@@ -193,8 +311,8 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
     typename F::Scales scales[Panels];
 #pragma GCC unroll 8
     for (int p = 0; p < Panels; ++p) {
-      group[p] = wp + p * panel_stride + g * F::kGroupBytes;
-      scales[p] = F::scales(group[p]);
+      group[p] = wp + p * panel_stride + F::offset(g);
+      scales[p] = F::scales(wp + p * panel_stride, g);
     }
     for (int kk = 0; kk < F::kGroup; ++kk) {
       const int64_t k = g * F::kGroup + kk;
@@ -227,7 +345,7 @@ template <class F, int Rows>
 void rows_over_panels(const float* x, int64_t k_dim, const uint8_t* wp, int64_t p_begin, int64_t p_end, float* out,
                       int64_t out_stride) {
   constexpr int wide = panels_for<Rows>();
-  const int64_t panel_stride = k_dim / F::kGroup * F::kGroupBytes;
+  const int64_t panel_stride = F::bytes(k_dim);
   int64_t p = p_begin;
   for (; p + wide <= p_end; p += wide)
     tile<F, Rows, wide>(x, k_dim, wp + p * panel_stride, panel_stride, k_dim, out + p * kPanel, out_stride);
@@ -254,15 +372,12 @@ void row_block(int rows, const float* x, int64_t k_dim, const uint8_t* wp, int64
 template <class F>
 void row_block_scalar(int rows, const float* x, int64_t k_dim, const uint8_t* wp, int64_t p_begin, int64_t p_end,
                       float* out, int64_t out_stride) {
-  const int64_t panel_stride = k_dim / F::kGroup * F::kGroupBytes;
+  const int64_t panel_stride = F::bytes(k_dim);
   for (int r = 0; r < rows; ++r)
     for (int64_t p = p_begin; p < p_end; ++p)
       for (int c = 0; c < kPanel; ++c) {
         float acc = 0.0f;
-        for (int64_t k = 0; k < k_dim; ++k) {
-          const uint8_t* group = wp + p * panel_stride + k / F::kGroup * F::kGroupBytes;
-          acc = fmaf(x[r * k_dim + k], F::scalar(group, (int)(k % F::kGroup), c), acc);
-        }
+        for (int64_t k = 0; k < k_dim; ++k) acc = fmaf(x[r * k_dim + k], F::scalar(wp + p * panel_stride, k, c), acc);
         out[r * out_stride + p * kPanel + c] = acc;
       }
 }
@@ -271,7 +386,7 @@ using RowBlock = void (*)(int, const float*, int64_t, const uint8_t*, int64_t, i
 
 template <class F>
 int64_t panel_bytes(int64_t k_dim) {
-  return k_dim / F::kGroup * F::kGroupBytes;
+  return F::bytes(k_dim);
 }
 
 // Panels [0, count) of a packed weight widened into float32 panels (F32's layout) at `out`: the same
@@ -280,10 +395,10 @@ template <class F>
 void widen_panels(const uint8_t* wp, int64_t count, int64_t k_dim, float* out) {
   for (int64_t p = 0; p < count; ++p)
     for (int64_t g = 0; g < k_dim / F::kGroup; ++g) {
-      const uint8_t* group = wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes;
-      const typename F::Scales scales = F::scales(group);
+      const uint8_t* panel = wp + p * panel_bytes<F>(k_dim);
+      const typename F::Scales scales = F::scales(panel, g);
       for (int kk = 0; kk < F::kGroup; ++kk)
-        store_lanes(out + (p * k_dim + g * F::kGroup + kk) * kPanel, F::widen(group, scales, kk));
+        store_lanes(out + (p * k_dim + g * F::kGroup + kk) * kPanel, F::widen(panel + F::offset(g), scales, kk));
     }
 }
 
@@ -381,17 +496,17 @@ void grouped_linear(bool scalar, const float* x, int64_t k_dim, const int64_t* c
   }
 }
 
-// The weight's 16-column panels, zero-padded past N: `column(n, g, dst)` writes column n's group g of
-// its source's form into a panel's group at `dst`, the column's slot within it being the form's.
+// The weight's 16-column panels, zero-padded past N: `column(n, b, panel)` writes column n's source block b
+// (F::kBlock k) into its panel at `panel`, in the column's slots of the form's groups (F::offset).
 template <class F, class Column>
 void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
-  const int64_t panels = (n_dim + kPanel - 1) / kPanel, groups = k_dim / F::kGroup;
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel, blocks = k_dim / F::kBlock;
   memset(wp, 0, panels * panel_bytes<F>(k_dim));
   // By panel: a panel's columns may share bytes (kQ4_1's nibbles), so one thread writes each panel.
 #pragma omp parallel for
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t n = p * kPanel; n < std::min(n_dim, (p + 1) * kPanel); ++n)
-      for (int64_t g = 0; g < groups; ++g) column(n, g, wp + p * panel_bytes<F>(k_dim) + g * F::kGroupBytes);
+      for (int64_t b = 0; b < blocks; ++b) column(n, b, wp + p * panel_bytes<F>(k_dim));
 }
 
 // The KV cache's element types (CacheDtype), 8 elements widened to float32 exactly. A cache in bfloat16 or
@@ -500,7 +615,20 @@ void unpack_panels(const uint8_t* wp, int64_t count, int64_t k_dim, const int64_
     const int64_t n = rows == nullptr ? i : rows[i];
     const uint8_t* panel = wp + (n / kPanel) * panel_bytes<F>(k_dim);
     for (int64_t k = 0; k < k_dim; ++k)
-      w[i * k_dim + k] = F::scalar(panel + k / F::kGroup * F::kGroupBytes, (int)(k % F::kGroup), (int)(n % kPanel));
+      w[i * k_dim + k] = F::scalar(panel, k, (int)(n % kPanel));
+  }
+}
+
+// Calls run(F{}) with `form`'s struct F.
+template <class Run>
+void with_form(int64_t form, Run run) {
+  switch (form) {
+    case kF32: run(F32{}); break;
+    case kBF16: run(BF16{}); break;
+    case kQ8_0: run(Q8_0{}); break;
+    case kQ4_1: run(Q4_1{}); break;
+    case kQ4_K: run(Q4_K{}); break;
+    case kQ6_K: run(Q6_K{}); break;
   }
 }
 
@@ -510,12 +638,9 @@ namespace sluice {
 
 void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
                     int64_t n_dim, float* y, int64_t p_first, int64_t p_last) {
-  switch (form) {
-    case kF32: linear_panels<F32>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
-    case kBF16: linear_panels<BF16>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
-    case kQ8_0: linear_panels<Q8_0>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
-    case kQ4_1: linear_panels<Q4_1>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last); break;
-  }
+  with_form(form, [&](auto f) {
+    linear_panels<decltype(f)>(scalar, x, m_dim, k_dim, wp, n_dim, y, nullptr, p_first, p_last);
+  });
 }
 
 void attend_head(int64_t cache_dtype, const float* q, int64_t head_dim, const void* k_cache, const void* v_cache,
@@ -546,35 +671,34 @@ const char* sl_variant() { return SL_VARIANT; }
 
 // Bytes of a weight [N, K] packed in `form`, for sl_pack; 0 where K does not suit the form.
 int64_t sl_packed_bytes(int64_t form, int64_t n_dim, int64_t k_dim) {
-  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
-  switch (form) {
-    case kF32: return panels * panel_bytes<F32>(k_dim);
-    case kBF16: return panels * panel_bytes<BF16>(k_dim);
-    case kQ8_0: return k_dim % 32 ? 0 : panels * panel_bytes<Q8_0>(k_dim);
-    case kQ4_1: return k_dim % 32 ? 0 : panels * panel_bytes<Q4_1>(k_dim);
-    default: return 0;
-  }
+  int64_t bytes = 0;
+  with_form(form, [&](auto f) {
+    using F = decltype(f);
+    if (k_dim % F::kBlock == 0) bytes = (n_dim + kPanel - 1) / kPanel * panel_bytes<F>(k_dim);
+  });
+  return bytes;
 }
 
-// W [N, K] in its source's layout (float32 or bfloat16 row-major; GGUF Q8_0 or Q4_1 blocks, each row
-// K / 32 blocks) -> wp, sl_packed_bytes(form, N, K) bytes of 16-column panels.
+// W [N, K] in its source's layout (float32 or bfloat16 row-major; GGUF blocks, each row K / F::kBlock of
+// them) -> wp, sl_packed_bytes(form, N, K) bytes of 16-column panels.
 void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t* wp) {
   const uint8_t* src = (const uint8_t*)w;
   switch (form) {
     case kF32:
-      pack_panels<F32>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* dst) {
-        memcpy(dst + n % kPanel * 4, src + (n * k_dim + k) * 4, 4);
+      pack_panels<F32>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* panel) {
+        memcpy(panel + F32::offset(k) + n % kPanel * 4, src + (n * k_dim + k) * 4, 4);
       });
       break;
     case kBF16:
-      pack_panels<BF16>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* dst) {
-        memcpy(dst + n % kPanel * 2, src + (n * k_dim + k) * 2, 2);
+      pack_panels<BF16>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* panel) {
+        memcpy(panel + BF16::offset(k) + n % kPanel * 2, src + (n * k_dim + k) * 2, 2);
       });
       break;
     case kQ8_0:
       // A block: d (fp16), then 32 int8.
-      pack_panels<Q8_0>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* dst) {
+      pack_panels<Q8_0>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* panel) {
         const uint8_t* block = src + (n * (k_dim / 32) + g) * 34;
+        uint8_t* dst = panel + Q8_0::offset(g);
         const int c = (int)(n % kPanel);
         memcpy(dst + c * 2, block, 2);
         for (int kk = 0; kk < 32; ++kk) dst[kPanel * 2 + kk * kPanel + c] = block[2 + kk];
@@ -582,14 +706,55 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
       break;
     case kQ4_1:
       // A block: d, m (fp16), then 16 bytes: weight j in byte j's low nibble, weight j + 16 in its high one.
-      pack_panels<Q4_1>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* dst) {
+      pack_panels<Q4_1>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* panel) {
         const uint8_t* block = src + (n * (k_dim / 32) + g) * 20;
+        uint8_t* dst = panel + Q4_1::offset(g);
         const int c = (int)(n % kPanel);
         memcpy(dst + c * 2, block, 2);
         memcpy(dst + kPanel * 2 + c * 2, block + 2, 2);
         for (int kk = 0; kk < 32; ++kk) {
           const uint8_t q = kk < 16 ? block[4 + kk] & 15 : block[4 + kk - 16] >> 4;
-          dst[kPanel * 4 + kk * (kPanel / 2) + c % 8] |= (uint8_t)(c < 8 ? q : q << 4);
+          set_nibble(dst + kPanel * 4, kk, c, q);
+        }
+      });
+      break;
+    case kQ4_K:
+      // A block: d, dmin (fp16); 12 bytes of the 8 sub-blocks' 6-bit scales and mins (bytes 0-3: scales 0-3
+      // in their low 6 bits, the high 2 bits of scales 4-7 above; bytes 4-7: the mins likewise; bytes 8-11:
+      // the low 4 bits of scales 4-7, of mins 4-7 above); then 128 bytes, weight 64i + j (j < 32) in byte
+      // 32i + j's low nibble, weight 64i + 32 + j in its high one.
+      pack_panels<Q4_K>(n_dim, k_dim, wp, [&](int64_t n, int64_t b, uint8_t* panel) {
+        const uint8_t* block = src + (n * (k_dim / 256) + b) * 144;
+        const uint8_t* packed_scales = block + 4;
+        const int c = (int)(n % kPanel);
+        uint8_t* head = panel + Q4_K::header(b * 8);
+        memcpy(head + c * 2, block, 2);
+        memcpy(head + kPanel * 2 + c * 2, block + 2, 2);
+        for (int sub = 0; sub < 8; ++sub) {
+          uint8_t* dst = panel + Q4_K::offset(b * 8 + sub);
+          const uint8_t* s = packed_scales;
+          dst[c] = sub < 4 ? s[sub] & 63 : (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4;
+          dst[kPanel + c] = sub < 4 ? s[sub + 4] & 63 : (s[sub + 4] >> 4) | (s[sub] >> 6) << 4;
+          for (int kk = 0; kk < 32; ++kk)
+            set_nibble(dst + kPanel * 2, kk, c, block[16 + sub / 2 * 32 + kk] >> (sub % 2 * 4) & 15);
+        }
+      });
+      break;
+    case kQ6_K:
+      // A block: 128 bytes of the low 4 bits of q + 32 (weight 128h + 64s + j in byte 64h + j, s = 0 its low
+      // nibble, 1 its high one), 64 bytes of the high 2 bits (weight 128h + 32t + j at bits 2t of byte
+      // 32h + j), 16 int8 scales (one per 16 weights), d (fp16).
+      pack_panels<Q6_K>(n_dim, k_dim, wp, [&](int64_t n, int64_t b, uint8_t* panel) {
+        const uint8_t* block = src + (n * (k_dim / 256) + b) * 210;
+        const int c = (int)(n % kPanel);
+        memcpy(panel + Q6_K::header(b * 16) + c * 2, block + 208, 2);
+        for (int i = 0; i < 256; ++i) {
+          const int h = i / 128, r = i % 128, kk = i % 16;
+          uint8_t* dst = panel + Q6_K::offset(b * 16 + i / 16);
+          if (kk == 0) dst[c] = block[192 + i / 16];
+          set_nibble(dst + kPanel, kk, c, block[h * 64 + r % 64] >> (r / 64 * 4) & 15);
+          const int high = block[128 + h * 32 + r % 32] >> (r / 32 * 2) & 3;
+          dst[Q6_K::kHigh + kk * (kPanel / 4) + c / 4] |= (uint8_t)(high << (c % 4 * 2));
         }
       });
       break;
@@ -599,12 +764,7 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
 // w [N, K] float32: the values the kernel widens a packed weight to, for the loader to check a form
 // against the float32 weight it stands for.
 void sl_unpack(int64_t form, const uint8_t* wp, int64_t n_dim, int64_t k_dim, float* w) {
-  switch (form) {
-    case kF32: unpack_panels<F32>(wp, n_dim, k_dim, nullptr, w); break;
-    case kBF16: unpack_panels<BF16>(wp, n_dim, k_dim, nullptr, w); break;
-    case kQ8_0: unpack_panels<Q8_0>(wp, n_dim, k_dim, nullptr, w); break;
-    case kQ4_1: unpack_panels<Q4_1>(wp, n_dim, k_dim, nullptr, w); break;
-  }
+  with_form(form, [&](auto f) { unpack_panels<decltype(f)>(wp, n_dim, k_dim, nullptr, w); });
 }
 
 // w [count, K] float32: rows[i] of a packed weight [N, K] widened (a tied output head read back as its input
@@ -613,12 +773,7 @@ int64_t sl_unpack_rows(int64_t form, const uint8_t* wp, int64_t n_dim, int64_t k
                        int64_t count, float* w) {
   for (int64_t i = 0; i < count; ++i)
     if (rows[i] < 0 || rows[i] >= n_dim) return -1;
-  switch (form) {
-    case kF32: unpack_panels<F32>(wp, count, k_dim, rows, w); break;
-    case kBF16: unpack_panels<BF16>(wp, count, k_dim, rows, w); break;
-    case kQ8_0: unpack_panels<Q8_0>(wp, count, k_dim, rows, w); break;
-    case kQ4_1: unpack_panels<Q4_1>(wp, count, k_dim, rows, w); break;
-  }
+  with_form(form, [&](auto f) { unpack_panels<decltype(f)>(wp, count, k_dim, rows, w); });
   return 0;
 }
 
@@ -626,12 +781,7 @@ int64_t sl_unpack_rows(int64_t form, const uint8_t* wp, int64_t n_dim, int64_t k
 // portable variant (the same bits, slower).
 void sl_linear(int64_t form, int64_t scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp,
                int64_t n_dim, float* y, float* block_max) {
-  switch (form) {
-    case kF32: linear<F32>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
-    case kBF16: linear<BF16>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
-    case kQ8_0: linear<Q8_0>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
-    case kQ4_1: linear<Q4_1>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); break;
-  }
+  with_form(form, [&](auto f) { linear<decltype(f)>(scalar, x, m_dim, k_dim, wp, n_dim, y, block_max); });
 }
 
 // Experts' linear layers over rows grouped by expert: counts[e] rows of x for expert e, in expert order,
@@ -640,12 +790,9 @@ void sl_linear(int64_t form, int64_t scalar, const float* x, int64_t m_dim, int6
 // the experts run in one parallel region (grouped_linear).
 void sl_grouped_linear(int64_t form, int64_t scalar, const float* x, int64_t k_dim, const int64_t* counts,
                        int64_t num_experts, const uint8_t* panels, int64_t expert_bytes, int64_t n_dim, float* y) {
-  switch (form) {
-    case kF32: grouped_linear<F32>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
-    case kBF16: grouped_linear<BF16>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
-    case kQ8_0: grouped_linear<Q8_0>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
-    case kQ4_1: grouped_linear<Q4_1>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y); break;
-  }
+  with_form(form, [&](auto f) {
+    grouped_linear<decltype(f)>(scalar, x, k_dim, counts, num_experts, panels, expert_bytes, n_dim, y);
+  });
 }
 
 // out[T, H, D]: query t, head h attends to the first context_lens[t] keys of the request

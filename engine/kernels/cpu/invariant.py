@@ -29,10 +29,15 @@ class WeightForm(IntEnum):
     # GGUF blocks of 32 weights along K: w = d * q (int8 q) and w = d * q + m (4-bit q), d and m fp16.
     Q8_0 = 2
     Q4_1 = 3
+    # GGUF's k-quants, super-blocks of 256 weights along K: w = (d * sc) * q - (dmin * m) (4-bit q, 6-bit sc and
+    # m per 32 weights) and w = (d * sc) * q (6-bit q, int8 sc per 16 weights), d and dmin fp16.
+    Q4_K = 4
+    Q6_K = 5
 
 
-# A GGUF block's bytes, per form.
-BLOCK_BYTES = {WeightForm.Q8_0: 34, WeightForm.Q4_1: 20}
+# A GGUF block's weights along K and its bytes, per form.
+BLOCK_WEIGHTS = {WeightForm.Q8_0: 32, WeightForm.Q4_1: 32, WeightForm.Q4_K: 256, WeightForm.Q6_K: 256}
+BLOCK_BYTES = {WeightForm.Q8_0: 34, WeightForm.Q4_1: 20, WeightForm.Q4_K: 144, WeightForm.Q6_K: 210}
 
 # The KV cache dtypes the attention kernel reads, widening each element exactly (CacheDtype in invariant.h).
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -65,9 +70,10 @@ class PackedLinear:
     def pack_blocks(
         cls, library: ctypes.CDLL, form: WeightForm, blocks: torch.Tensor, out_features: int, in_features: int
     ) -> PackedLinear:
-        """A weight [N, K] as GGUF blocks of `form`: uint8 [N, K / 32 * BLOCK_BYTES[form]], each row's
-        blocks in k order."""
-        if in_features % 32 or blocks.shape != (out_features, in_features // 32 * BLOCK_BYTES[form]):
+        """A weight [N, K] as GGUF blocks of `form`: uint8 [N, K / BLOCK_WEIGHTS[form] * BLOCK_BYTES[form]], each
+        row's blocks in k order."""
+        per_row = in_features // BLOCK_WEIGHTS[form] * BLOCK_BYTES[form]
+        if in_features % BLOCK_WEIGHTS[form] or blocks.shape != (out_features, per_row):
             raise ValueError(f"{form.name} blocks of shape {tuple(blocks.shape)} for a [{out_features}, {in_features}]")
         return cls._packed(library, form, blocks.contiguous(), out_features, in_features)
 
