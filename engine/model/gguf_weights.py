@@ -3,7 +3,8 @@ as, for the batch-invariant CPU kernels.
 
 Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
 order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
-changes no output while each step reads 5 bits per weight (Q4_1) or 8.5 (Q8_0) instead of 32.
+changes no output while each step reads 4.6 bits per weight (Q4_K), 5 (Q4_1), 6.6 (Q6_K) or 8.5 (Q8_0) instead of
+32.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from engine.kernels.cpu.invariant import WeightForm
 
-_FORMS = {GGMLQuantizationType.Q8_0: WeightForm.Q8_0, GGMLQuantizationType.Q4_1: WeightForm.Q4_1}
+_FORMS = {
+    GGMLQuantizationType.Q8_0: WeightForm.Q8_0,
+    GGMLQuantizationType.Q4_1: WeightForm.Q4_1,
+    GGMLQuantizationType.Q4_K: WeightForm.Q4_K,
+    GGMLQuantizationType.Q6_K: WeightForm.Q6_K,
+}
 # A decoder layer's projection, by its Llama module name, to its GGUF tensor's.
 _LAYER_TENSORS = {
     "self_attn.q_proj": "attn_q",
@@ -31,9 +37,10 @@ _LAYER_TENSORS = {
 
 def shipped_blocks(gguf: Path, hf_model: torch.nn.Module) -> dict[torch.nn.Linear, tuple[WeightForm, torch.Tensor]]:
     """Each linear layer of `hf_model` (converted from `gguf`) whose GGUF tensor is in a form the kernels
-    read, as (form, blocks [N, K / 32 * block bytes]) in the layer's row order; layers named otherwise than
-    Llama's (Phi-3's fused ones) are left out. The caller keeps blocks only where they widen to the
-    converted weights exactly."""
+    read, as (form, blocks [N, K / block weights * block bytes]) in the layer's row order (a GGUF row is whole
+    blocks: llama.cpp writes a k-quant model's tensors whose K is no multiple of 256 in another type); layers
+    named otherwise than Llama's (Phi-3's fused ones) are left out. The caller keeps blocks only where they
+    widen to the converted weights exactly."""
     reader = GGUFReader(gguf)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     field = reader.fields["general.architecture"]

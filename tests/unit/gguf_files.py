@@ -6,6 +6,7 @@ weights stored as 1 + weight), in float32 or in GGUF's quantized blocks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -33,8 +34,10 @@ def write_gguf(
     model: PreTrainedModel,
     path: Path,
     quantization: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    quantize: Callable[[np.ndarray, gguf.GGMLQuantizationType], np.ndarray] = gguf.quants.quantize,
 ) -> Path:
-    """`model` as a GGUF file at `path`: its 2D weights in `quantization`'s blocks, the rest float32."""
+    """`model` as a GGUF file at `path`: its 2D weights whose rows are whole blocks in `quantization`'s blocks
+    (as `quantize` writes them: gguf's quantizer, which has none for the k-quants), the rest float32."""
     config = model.config
     architecture = ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(path, architecture)
@@ -63,8 +66,9 @@ def write_gguf(
             data = _permute(data, heads)
         if architecture.startswith("gemma") and gguf_name.endswith("norm.weight"):
             data = data + 1
-        if data.ndim == 2 and quantization != gguf.GGMLQuantizationType.F32 and data.shape[1] % 32 == 0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, quantization), raw_dtype=quantization)
+        block = gguf.GGML_QUANT_SIZES[quantization][0]
+        if data.ndim == 2 and quantization != gguf.GGMLQuantizationType.F32 and data.shape[1] % block == 0:
+            writer.add_tensor(gguf_name, quantize(data, quantization), raw_dtype=quantization)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()

@@ -20,6 +20,7 @@ from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
 from tests.unit.gguf_files import write_gguf
 from tests.unit.helpers import collect, hf_greedy_logprobs
+from tests.unit.test_weight_forms import random_blocks
 
 NEW_TOKENS = 16
 PROMPT = list(range(20, 60))
@@ -71,6 +72,22 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path):
     # q/k/v/o, gate/up/down of both layers as the file's Q8_0 blocks (the head too: its input is 64 wide).
     forms = [packed.form for packed in loaded.model._packed.values()]
     assert forms.count(WeightForm.Q8_0) == 2 * 7 + 1
+    expected = hf_greedy_logprobs(_transformers_reading(path), PROMPT, NEW_TOKENS)
+    assert [t for t, _ in served] == [t for t, _ in expected]
+
+
+@pytest.mark.parametrize("form", [WeightForm.Q4_K, WeightForm.Q6_K], ids=lambda form: form.name)
+async def test_a_k_quant_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
+    # Rows of 256 and 512 weights, whole super-blocks; gguf has no k-quant quantizer, so the file holds
+    # random blocks: its own weights, which transformers reads as it reads any.
+    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    kind = gguf.GGMLQuantizationType[form.name]
+    path = write_gguf(
+        model, tmp_path / f"tiny-llama-{form.name}.gguf", kind, lambda data, _: random_blocks(form, *data.shape).numpy()
+    )
+    loaded, served = await _served(path)
+    forms = [packed.form for packed in loaded.model._packed.values()]
+    assert forms.count(form) == 2 * 7 + 1
     expected = hf_greedy_logprobs(_transformers_reading(path), PROMPT, NEW_TOKENS)
     assert [t for t, _ in served] == [t for t, _ in expected]
 
