@@ -121,10 +121,10 @@ inline Lanes nibbles_to_lanes(const uint8_t* p) {
 //          dequantizer computes it. Both products with sc and m, and (d * sc) * q, are exact in float32
 //          (11 + 6 + 4 significant bits), so only the subtraction rounds: one FMA (a fused multiply-
 //          subtract) in the kernels, the written-out operations in the scalar variant.
-//   kQ6_K: per 256 k, the columns' d (fp16); then per 16 k their int8 scales, 16 x 8 bytes holding the low
-//          4 bits of q + 32 as kQ4_1's nibbles, and 16 x 4 bytes holding its high 2 bits (column c's at
-//          bits 2c and 2c + 1); w = (d * scale) * q, as GGUF's dequantizer computes it: d * scale is exact,
-//          the product with q rounds once.
+//   kQ6_K: per 256 k, the columns' d (fp16); then per 16 k, 16 x 12 bytes of q (GGUF's 6 bits less 32) in
+//          6-bit two's complement, column c's at bits 6c to 6c + 5, and the columns' int8 scales; w = (d *
+//          scale) * q, as GGUF's dequantizer computes it: d * scale is exact, the product with q rounds once.
+//          A byte shuffle gives each lane the 4 bytes holding its field, two shifts sign-extend it in place.
 // The k-quants' super-block scales sit in a header before each 256 k of groups, read once a group: a Q6_K
 // panel holds as many bytes a weight as the GGUF blocks it came from, a Q4_K one 148 for each 144 (its 6-bit
 // scales and mins unpacked to a byte each, which the kernels then read with one load).
@@ -248,48 +248,47 @@ struct Q4_K : SuperBlocks<32, kPanel * 2 + 32 * kPanel / 2, kPanel * 4> {
   }
 };
 
-struct Q6_K : SuperBlocks<16, kPanel + 16 * kPanel / 2 + 16 * kPanel / 4, kPanel * 2> {
-  static constexpr int64_t kHigh = kPanel + 16 * kPanel / 2;  // the high bits' offset in a group
+struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
+  static constexpr int64_t kScales = 16 * 12;  // the scales' offset in a group
   struct Scales {
     Lanes d;  // d * scale
   };
   static Scales scales(const uint8_t* panel, int64_t g) {
-    return {mul_lanes(halves_to_lanes(panel + header(g)), int8s_to_lanes(panel + offset(g)))};
+    return {mul_lanes(halves_to_lanes(panel + header(g)), int8s_to_lanes(panel + offset(g) + kScales))};
   }
+  // Reads 16 bytes from k kk's 12: the last k's 4 more are the group's scales.
   static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
-    const __m128i low = _mm_loadl_epi64((const __m128i*)(group + kPanel + kk * (kPanel / 2)));
-    uint32_t high;
-    memcpy(&high, group + kHigh + kk * (kPanel / 4), 4);
+    const __m128i fields = _mm_loadu_si128((const __m128i*)(group + kk * 12));
+    // Lane c: bytes 6c / 8 onwards, shifted to put bit 6c % 8 + 5 at the top, then arithmetically to the bottom.
 #if defined(__AVX512F__)
-    const __m512i nibbles = _mm512_and_si512(
-        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, low)),
-                          _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0)),
-        _mm512_set1_epi32(15));
-    const __m512i twos = _mm512_and_si512(
-        _mm512_srlv_epi32(_mm512_set1_epi32((int)high),
-                          _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0)),
-        _mm512_set1_epi32(3));
-    const __m512i q = _mm512_sub_epi32(_mm512_or_si512(nibbles, _mm512_slli_epi32(twos, 4)), _mm512_set1_epi32(32));
+    const __m512i windows = _mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(fields),
+        _mm512_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908, 0x0A090807, 0x09080706,
+                         0x09080706, 0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302, 0x04030201,
+                         0x03020100, 0x03020100));
+    const __m512i q = _mm512_srai_epi32(
+        _mm512_sllv_epi32(windows, _mm512_set_epi32(24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26)),
+        26);
     const Lanes values = {_mm512_cvtepi32_ps(q)};
 #else
-    const __m256i bytes = _mm256_cvtepu8_epi32(low), bits = _mm256_set1_epi32((int)high);
-    auto column_values = [&](__m256i nibbles, __m256i shifts) {
-      const __m256i twos = _mm256_and_si256(_mm256_srlv_epi32(bits, shifts), _mm256_set1_epi32(3));
-      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(nibbles, _mm256_slli_epi32(twos, 4)), _mm256_set1_epi32(32));
-      return _mm256_cvtepi32_ps(q);
+    const __m256i both = _mm256_broadcastsi128_si256(fields);
+    const __m256i shifts = _mm256_set_epi32(24, 22, 20, 26, 24, 22, 20, 26);
+    auto lanes = [&](__m256i windows) {
+      return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts), 26));
     };
-    const Lanes values = {
-        column_values(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0)),
-        column_values(_mm256_srli_epi32(bytes, 4), _mm256_set_epi32(30, 28, 26, 24, 22, 20, 18, 16))};
+    const Lanes values = {lanes(_mm256_set_epi32(0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302,
+                                                 0x04030201, 0x03020100, 0x03020100)),
+                          lanes(_mm256_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908,
+                                                 0x0A090807, 0x09080706, 0x09080706))};
 #endif
     return mul_lanes(s.d, values);
   }
   static float scalar(const uint8_t* panel, int64_t k, int c) {
     const uint8_t* group = panel + offset(k / kGroup);
-    const int kk = (int)(k % kGroup);
-    const float d = half_to_float(panel + header(k / kGroup), c) * (float)((const int8_t*)group)[c];
-    const int high = group[kHigh + kk * (kPanel / 4) + c / 4] >> (c % 4 * 2) & 3;
-    return d * (float)((nibble(group + kPanel, kk, c) | high << 4) - 32);
+    const float d = half_to_float(panel + header(k / kGroup), c) * (float)((const int8_t*)group)[kScales + c];
+    uint32_t window;
+    memcpy(&window, group + k % kGroup * 12 + 6 * c / 8, 4);
+    return d * (float)((int32_t)(window << (26 - 6 * c % 8)) >> 26);
   }
 };
 
@@ -743,7 +742,8 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
     case kQ6_K:
       // A block: 128 bytes of the low 4 bits of q + 32 (weight 128h + 64s + j in byte 64h + j, s = 0 its low
       // nibble, 1 its high one), 64 bytes of the high 2 bits (weight 128h + 32t + j at bits 2t of byte
-      // 32h + j), 16 int8 scales (one per 16 weights), d (fp16).
+      // 32h + j), 16 int8 scales (one per 16 weights), d (fp16). q's two's complement differs from q + 32 in
+      // its top bit alone.
       pack_panels<Q6_K>(n_dim, k_dim, wp, [&](int64_t n, int64_t b, uint8_t* panel) {
         const uint8_t* block = src + (n * (k_dim / 256) + b) * 210;
         const int c = (int)(n % kPanel);
@@ -751,10 +751,13 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
         for (int i = 0; i < 256; ++i) {
           const int h = i / 128, r = i % 128, kk = i % 16;
           uint8_t* dst = panel + Q6_K::offset(b * 16 + i / 16);
-          if (kk == 0) dst[c] = block[192 + i / 16];
-          set_nibble(dst + kPanel, kk, c, block[h * 64 + r % 64] >> (r / 64 * 4) & 15);
+          if (kk == 0) dst[Q6_K::kScales + c] = block[192 + i / 16];
+          const int low = block[h * 64 + r % 64] >> (r / 64 * 4) & 15;
           const int high = block[128 + h * 32 + r % 32] >> (r / 32 * 2) & 3;
-          dst[Q6_K::kHigh + kk * (kPanel / 4) + c / 4] |= (uint8_t)(high << (c % 4 * 2));
+          uint16_t window;
+          memcpy(&window, dst + kk * 12 + 6 * c / 8, 2);
+          window |= (uint16_t)((low | high << 4) ^ 32) << (6 * c % 8);
+          memcpy(dst + kk * 12 + 6 * c / 8, &window, 2);
         }
       });
       break;
