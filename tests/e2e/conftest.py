@@ -232,6 +232,12 @@ def model_name(server) -> str:
     return httpx.get(f"{server}/v1/models").json()["data"][0]["id"]
 
 
+def blocks_held(health: dict) -> int:
+    """KV blocks that requests hold: those in use less those pinned for stored responses, whose pins expire on
+    their own clock (a Responses test run before on the same server may leave some that expire mid-test)."""
+    return health["kv_blocks_used"] - health["kv_blocks_pinned"]
+
+
 @pytest.fixture
 def health(server):
     def read() -> dict:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from app.sse_reader import read_events, stream_text
+from tests.e2e.conftest import blocks_held
 
 pytestmark = pytest.mark.slow
 
@@ -118,18 +119,18 @@ PROMPTS = [
 
 
 async def test_sixteen_concurrent_streams_match_each_request_alone(server, model_name, health):
-    before = health()["kv_blocks_used"]
+    before = blocks_held(health())
     async with httpx.AsyncClient(timeout=300) as client:
         alone = [await _stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS]
         together = await asyncio.gather(*[_stream_chat(client, server, chat_body(model_name, p, 24)) for p in PROMPTS])
     assert together == alone
     assert all(text and reason in ("stop", "length") for text, reason in alone)
-    assert health()["kv_blocks_used"] == before
+    assert blocks_held(health()) == before
 
 
 async def test_disconnect_frees_kv_blocks_and_spares_other_streams(server, model_name, health):
     # Batch-invariant, so the surviving stream's text cannot change with the batch it shares.
-    baseline = health()["kv_blocks_used"]
+    baseline = blocks_held(health())
     async with httpx.AsyncClient(timeout=120) as client:
         expected = await _stream_chat(client, server, chat_body(model_name, "Describe the moon.", 32))
         other = asyncio.create_task(_stream_chat(client, server, chat_body(model_name, "Describe the moon.", 32)))
@@ -151,7 +152,7 @@ async def test_disconnect_frees_kv_blocks_and_spares_other_streams(server, model
             await asyncio.sleep(0.05)
         assert await other == expected
     deadline = time.monotonic() + 10
-    while health()["kv_blocks_used"] != baseline:
+    while blocks_held(health()) != baseline:
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
