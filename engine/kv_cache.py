@@ -132,9 +132,10 @@ class BlockManager:
         num_fresh = -(-num_slots // self.block_size) - len(cached)
         return num_fresh + sum(1 for block_id in cached if block_id in self._free)
 
-    def adopt_prefix(self, request: Request, block_ids: list[int]) -> None:
-        """Start `request` (holding no blocks) on the cached blocks of its prefix."""
-        for block_id in block_ids:
+    def adopt_prefix(self, request: Request, block_ids: list[int], num_released: int = 0) -> None:
+        """Start `request` (holding no blocks) on the cached blocks of its prefix; the first `num_released`
+        entries name blocks it does not hold (engine/kv_window.py)."""
+        for block_id in block_ids[num_released:]:
             if block_id in self._free:
                 del self._free[block_id]
                 self._refs[block_id] = 1
@@ -142,6 +143,7 @@ class BlockManager:
                 self._refs[block_id] += 1
         request.block_table = array("q", block_ids)
         request.num_registered_blocks = len(block_ids)
+        request.num_released_blocks = num_released
         request.num_computed_tokens = len(block_ids) * self.block_size
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed_tokens
@@ -305,12 +307,10 @@ def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 def point_released(table: array, num_released: int) -> None:
     """Name the first held block in each of `table`'s `num_released` released entries. A released block may
-    be handed to another request at once; the CPU and Triton kernels never load a key before a query's
-    window (their loops start at its first block), but torch's SDPA gathers a context from position 0 and
-    masks what lies outside, and a zero weight times a NaN or Inf that a reused block may hold is still
-    NaN. The request's own first held block reads no more than the window does: the keys it holds are
-    the window's first (or, past them, slots the gather reads as padding today), and nobody else writes it
-    while the request holds it."""
+    be handed to another request at once. The CPU and Triton kernels never load a key before a query's
+    window (their loops start at its first block); torch's SDPA path gathers a context from position 0 and
+    masks what lies outside, so through these entries it reads only a block the request holds, never one
+    that another request is writing."""
     table[:num_released] = array("q", (table[num_released],)) * num_released
 
 

@@ -8,10 +8,11 @@ from engine.request import Request
 
 
 class WindowedBlockManager(BlockManager):
-    """Where every layer reads at most `window` keys back (a query at p reads (p - window, p]), a block
-    wholly before `num_computed_tokens - window` is read by no future query of its request (positions only
-    grow), so it returns to the pool at the step boundary. Its registration stays: a later request with the
-    same prefix adopts it while it is in the pool, as it would a finished request's.
+    """Where every layer reads at most `window` keys back (a query at p reads p - window + 1 .. p), a block
+    wholly before what the next query reads is read by no future query of its request (positions only grow),
+    so it returns to the pool at the step boundary. Its registration stays: a later request with the same
+    prefix adopts it while it is in the pool, as it would a finished request's, and a prefix needs only the
+    blocks that its next query reads to be found (each block's hash covers every token before it).
 
     A model with any global layer gets the plain BlockManager: nothing here runs per step for it."""
 
@@ -28,29 +29,49 @@ class WindowedBlockManager(BlockManager):
         super().__init__(num_blocks, block_size, enable_prefix_caching, max_pinned_blocks)
         self.window = window
 
+    def _first_read(self, num_tokens: int) -> int:
+        """The first block that a query at position `num_tokens`, or any later one, reads."""
+        return max(0, (num_tokens - self.window + 1) // self.block_size)
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """The longest prefix whose blocks from the first its next query reads are all cached, as the table
+        the request starts on: the passed entries name the first of those blocks (they are never read)."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        found = [self._cached.get(prefix_hash) for prefix_hash in hashes]
+        # run[i]: how many blocks up to block i are cached without a gap, so a prefix of n blocks is usable
+        # when run[n - 1] reaches back to the first block its next query reads.
+        run, length = [], 0
+        for block_id in found:
+            length = length + 1 if block_id is not None else 0
+            run.append(length)
+        for num_blocks in range(len(found), 0, -1):
+            first = self._first_read(num_blocks * self.block_size)
+            if run[num_blocks - 1] >= num_blocks - first:
+                return [found[first]] * first + found[first:num_blocks]
+        return []
+
     def num_blocks_to_admit(self, cached: list[int], num_new_tokens: int) -> int:
-        """As BlockManager's, less the cached blocks in the pool that the window has passed already:
-        adopt_prefix hands them back at once."""
-        passed = self._num_passed(len(cached) * self.block_size)
-        in_pool = sum(1 for block_id in cached[:passed] if block_id in self._free)
-        return super().num_blocks_to_admit(cached, num_new_tokens) - in_pool
+        """As BlockManager's, counting only the cached blocks the request holds (from the first one read)."""
+        first = self._first_read(len(cached) * self.block_size)
+        num_fresh = -(-(len(cached) * self.block_size + num_new_tokens) // self.block_size) - len(cached)
+        return num_fresh + sum(1 for block_id in cached[first:] if block_id in self._free)
 
     def adopt_prefix(self, request: Request, block_ids: list[int]) -> None:
-        super().adopt_prefix(request, block_ids)
-        self.register(request)
-
-    def _num_passed(self, num_computed_tokens: int) -> int:
-        """Blocks wholly before the keys the next query (at `num_computed_tokens`) or any later one reads."""
-        return max(0, (num_computed_tokens - self.window) // self.block_size)
+        """`block_ids` as cached_prefix gives them: the entries before the first block read are not held."""
+        super().adopt_prefix(request, block_ids, self._first_read(len(block_ids) * self.block_size))
 
     def register(self, request: Request) -> None:
-        """Register the newly full blocks, then hand back those the window has passed. Called at every step
-        boundary, after a speculative rollback, so `num_computed_tokens` counts only kept tokens. With a
-        step in flight (overlapped steps on a GPU) it counts that step's tokens too: a block released now is
-        written by another request only in a later step, after the step in flight has read it (stream
-        order)."""
+        """Register the newly full blocks, then hand back those the window has passed, keeping one block more
+        than the next query reads: a pin taken when the request ends then holds every block that a
+        continuation's prefix lookup (which ends at a block boundary, up to a block before) needs. Called
+        at every step boundary, after a speculative rollback, so `num_computed_tokens` counts only kept
+        tokens. With a step in flight (overlapped steps on a GPU) it counts that step's tokens too: a block
+        released now is written by another request only in a later step, after the step in flight has
+        read it (stream order)."""
         super().register(request)
-        released = self._num_passed(request.num_computed_tokens)
+        released = self._first_read(request.num_computed_tokens) - 1
         start = request.num_released_blocks
         if released <= start:
             return

@@ -176,27 +176,29 @@ def test_released_entries_name_the_first_held_block_through_fork_and_deallocate(
     manager.allocate(parent, 14)
     parent.num_computed_tokens = 14
     manager.register(parent)
-    # Blocks wholly before 14 - 4 = 10: the first two.
-    assert parent.num_released_blocks == 2
-    assert parent.block_table[:2] == array("q", [parent.block_table[2]] * 2)
-    assert manager.num_used == 2 and manager.num_cached == 3
+    # The next query (at 14) reads keys 11 .. 14, from block 2: block 1 is kept too (for a pin), block 0 goes.
+    assert parent.num_released_blocks == 1
+    assert parent.block_table[:1] == array("q", [parent.block_table[1]])
+    assert manager.num_used == 3 and manager.num_cached == 3
     child = make_request(14)
     assert manager.fork(parent, child, 14) is not None
-    assert child.num_released_blocks == 2 and child.block_table[:3] == parent.block_table[:3]
+    assert child.num_released_blocks == 1 and child.block_table[:3] == parent.block_table[:3]
     manager.check_integrity([parent, child])
     child.block_table[0] = child.block_table[3]
     with pytest.raises(AssertionError, match="released entry"):
         manager.check_integrity([parent, child])
-    child.block_table[0] = child.block_table[2]
+    child.block_table[0] = child.block_table[1]
+    read = parent.block_table[2]
     manager.deallocate(parent)
     manager.deallocate(child)
     assert child.num_released_blocks == 0 and manager.num_used == 0
     manager.check_integrity([])
     # The released blocks kept their registration in the pool: a new request adopts the whole prefix, and
-    # takes only the block its window still reads, plus one for its last two tokens.
+    # takes only the block its window still reads (its next query, at 12, reads from block 2), plus one for
+    # its last two tokens.
     newcomer = make_request(14)
     cached = manager.cached_prefix(newcomer)
-    assert len(cached) == 3
+    assert cached == [read] * 3
     assert manager.num_blocks_to_admit(cached, 2) == 2 < BlockManager(12, 4).num_blocks_to_admit(cached, 2)
     manager.adopt_prefix(newcomer, cached)
     manager.allocate(newcomer, 2)
@@ -212,5 +214,30 @@ def test_a_pin_holds_only_the_blocks_still_held():
     manager.register(request)
     assert manager.pin("k", request, deadline=1e18)
     manager.deallocate(request)
-    assert manager.num_pinned == 1
+    # Blocks 1 and 2: what the next query reads, and the block before it; block 0 went back to the pool.
+    assert manager.num_pinned == 2
     manager.check_integrity([])
+
+
+def test_a_pinned_conversation_finds_its_prefix_after_other_traffic_took_its_first_blocks():
+    """A prefix needs only the blocks its next query reads: the pin's, after its released first block went to
+    other requests."""
+    manager = WindowedBlockManager(num_blocks=8, block_size=4, window=4, max_pinned_blocks=4)
+    first = make_request(14)
+    manager.allocate(first, 14)
+    first.num_computed_tokens = 14
+    manager.register(first)
+    assert manager.pin("k", first, deadline=1e18)
+    manager.deallocate(first)
+    other = make_request(24, first_token=500)
+    manager.allocate(other, 24)
+    assert manager.num_free == 0
+    manager.deallocate(other)
+    follow_up = make_request(20)
+    cached = manager.cached_prefix(follow_up)
+    assert len(cached) == 3 and manager.num_blocks_to_admit(cached, 8) == 2
+    manager.adopt_prefix(follow_up, cached)
+    assert follow_up.num_computed_tokens == 12 and follow_up.num_released_blocks == 2
+    manager.check_integrity([follow_up])
+    # The plain manager's lookup walks from block 0, which other traffic took: nothing found.
+    assert BlockManager.cached_prefix(manager, make_request(20)) == []
