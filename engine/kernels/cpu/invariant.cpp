@@ -628,6 +628,8 @@ void with_form(int64_t form, Run run) {
     case kQ4_1: run(Q4_1{}); break;
     case kQ4_K: run(Q4_K{}); break;
     case kQ6_K: run(Q6_K{}); break;
+    // The Python side names only these forms; any other is a bug there, not an input to serve.
+    default: abort();
   }
 }
 
@@ -681,6 +683,8 @@ int64_t sl_packed_bytes(int64_t form, int64_t n_dim, int64_t k_dim) {
 // W [N, K] in its source's layout (float32 or bfloat16 row-major; GGUF blocks, each row K / F::kBlock of
 // them) -> wp, sl_packed_bytes(form, N, K) bytes of 16-column panels.
 void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t* wp) {
+  // wp has sl_packed_bytes' size, 0 for a K the form does not take: nothing may be written then.
+  if (sl_packed_bytes(form, n_dim, k_dim) == 0) return;
   const uint8_t* src = (const uint8_t*)w;
   switch (form) {
     case kF32:
