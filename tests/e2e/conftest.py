@@ -48,7 +48,7 @@ def serve(*flags: str) -> Iterator[str]:
 
 class SharedServers:
     """The session's shared servers by fixture name: started on first use, stopped by
-    `pytest_runtest_teardown` once no later test uses that fixture."""
+    `pytest_runtest_teardown` once no later test in collection order uses that fixture."""
 
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
@@ -126,12 +126,11 @@ def door_folder(tmp_path_factory) -> Path:
 def door(door_folder, default_model_path) -> tuple[str, int, Path]:
     """Every front-door setting on: keys (flag and file), protected metrics, a queue bound, a body
     limit, a max_tokens cap and an audit log. Its base URL, process id and audit log."""
-    folder = door_folder
-    audit = folder / "audit.jsonl"
+    audit = door_folder / "audit.jsonl"
     base = _SHARED.get(
         "door",
         "--api-key", KEY,
-        "--api-key-file", str(folder / "keys"),
+        "--api-key-file", str(door_folder / "keys"),
         "--protect-metrics",
         "--max-queue", "2",
         "--max-num-seqs", "2",
