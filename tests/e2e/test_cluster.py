@@ -1,6 +1,7 @@
 """Sluice on Ray Serve (`sluice cluster`): a local Ray cluster of 2 ingress replicas over 2 engine replicas of a
 tiny random Llama, started once for this module, against one plain server of the same model and flags. The
-last two tests take replicas away (a kill, then a scale-down): they run last, on the same cluster."""
+last three tests take replicas away (an ingress replica killed, an engine replica killed, then a scale-down):
+they run last, on the same cluster."""
 
 from __future__ import annotations
 
@@ -165,6 +166,13 @@ def by_ingress(make: Callable[[], str]) -> dict[str, str]:
     raise AssertionError(f"every id came from one ingress replica: {made}")
 
 
+def finished_stream(base: str) -> str:
+    """The id of a short resumable stream read to its end."""
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "stream": True, "resumable": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+        return read_events(response)[0].json()["id"]
+
+
 def test_ids_reach_the_ingress_replica_holding_them_from_either(cluster):
     """Each request below reaches either ingress replica (the Serve proxy picks one at random), so about half
     of them are forwarded to the other, the one holding the id: every one must find what it addresses."""
@@ -175,11 +183,6 @@ def test_ids_reach_the_ingress_replica_holding_them_from_either(cluster):
         body = {"input": "Remember the number seven.", "max_output_tokens": 4}
         stored.append(httpx.post(f"{cluster}/v1/responses", json=body, timeout=60).json()["id"])
         return stored[-1]
-
-    def finished_stream() -> str:
-        body = {"prompt": "Once upon a time", "max_tokens": 4, "stream": True, "resumable": True}
-        with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as response:
-            return read_events(response)[0].json()["id"]
 
     for tag, response_id in by_ingress(stored_response).items():
         for _ in range(8):
@@ -195,7 +198,7 @@ def test_ids_reach_the_ingress_replica_holding_them_from_either(cluster):
     for response_id in stored:
         assert httpx.delete(f"{cluster}/v1/responses/{response_id}").status_code == 200
         assert httpx.get(f"{cluster}/v1/responses/{response_id}").status_code == 404
-    for completion_id in by_ingress(finished_stream).values():
+    for completion_id in by_ingress(lambda: finished_stream(cluster)).values():
         for _ in range(4):
             with httpx.stream("GET", f"{cluster}/v1/streams/{completion_id}", timeout=30) as response:
                 assert response.status_code == 200
@@ -292,6 +295,38 @@ def long_stream(base: str, prompt: str, events: list[Event], ended: dict[str, fl
     thread = threading.Thread(target=read)
     thread.start()
     return thread
+
+
+def test_the_ids_of_a_killed_ingress_replica_get_410_and_the_cluster_serves_on(cluster, ray_driver):
+    """An ingress replica holds its streams' logs and stored responses: killed, what it held went with it, and a
+    resume of one of its streams gets 410 from the other (or its replacement), not a hang; new requests are
+    answered meanwhile."""
+    import ray
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    held = by_ingress(lambda: finished_stream(cluster))
+    victim, completion_id = sorted(held.items())[0]
+    name = ReplicaID(victim, DeploymentID(name="SluiceIngress", app_name="sluice")).to_full_id_str()
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    answers: list[httpx.Response] = []
+
+    def resumed_gone() -> bool:
+        # Until Ray's proxy stops sending to the dead replica, a request may fail on the way there.
+        try:
+            answers.append(httpx.get(f"{cluster}/v1/streams/{completion_id}", timeout=10))
+        except httpx.TransportError:
+            return False
+        return answers[-1].status_code == 410
+
+    wait_for(resumed_gone, 30, "a resume of the killed replica's stream answered 410")
+    assert answers[-1].json()["error"]["code"] == "replica_gone"
+    assert {a.status_code for a in answers} <= {410, 500, 502, 503}, [a.status_code for a in answers]
+    answered = httpx.post(f"{cluster}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+    assert answered.status_code == 200
+    # The other ingress replica's stream is untouched.
+    (other,) = [i for tag, i in held.items() if tag != victim]
+    with httpx.stream("GET", f"{cluster}/v1/streams/{other}", timeout=30) as response:
+        assert response.status_code == 200 and read_events(response)[-1].data == "[DONE]"
 
 
 def test_a_killed_replica_ends_its_streams_and_ray_replaces_it(cluster, ray_driver, tiny_tokenizer):
