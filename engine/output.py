@@ -81,12 +81,14 @@ class OutputProcessor:
         stop strings; returns the answer's tokens: those the reasoning held from earlier steps (a harmony
         header's), and these tokens' last ones. The tags' text is not shown."""
         split = request.reasoning
+        was_answering = split.answering
         thinking, held, answer = split.feed(token_ids)
         text = request.detokenizer.decode(thinking) if thinking else ""
-        if split.answering or request.is_finished:
-            # A character the reasoning left unfinished is the reasoning's, not the answer's.
+        if not was_answering and (split.answering or request.is_finished):
+            # A character the reasoning left unfinished is the reasoning's, not the answer's (whose own
+            # unfinished one, in a harmony answer that goes on, stays in the decoder).
             text += request.detokenizer.flush()
-        if split.answering:
+        if split.answering and split.answer_is_final:
             request.reasoning = None
         request.pending_reasoning.append(text)
         request.num_reasoning_tokens += len(thinking)
@@ -99,8 +101,10 @@ class OutputProcessor:
     def end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Latch `status` and send the terminal chunk with whatever output was held back."""
         request.finish(status, error)
-        if request.reasoning is not None:
+        if request.reasoning is not None and not request.reasoning.answering:
             request.pending_reasoning.append(request.detokenizer.flush())
+            # A harmony answer that ended its message before this may still hold a stop string's start.
+            request.pending_text.append(request.stop_matcher.flush())
         else:
             request.pending_text += [request.detokenizer.flush(), request.stop_matcher.flush()]
         self._push(request)

@@ -33,6 +33,9 @@ Fed = tuple[list[int], list[int], list[int]]
 class ReasoningSplit:
     """Follows one choice's output tokens; once `answering`, every later token is answer."""
 
+    # Whether the answer, once begun, runs to the output's end (no later token is thinking).
+    answer_is_final = True
+
     def __init__(self, spec: Reasoning) -> None:
         self.spec = spec
         self.thinking = spec.open_at_start
@@ -63,9 +66,15 @@ class ReasoningSplit:
 
 
 class ChannelSplit:
-    """Follows one choice's harmony output: its leading analysis messages are thinking, the first other
-    message's header starts the answer. A header's tokens are held until its `<|message|>` (or until it
-    is too long to be one); once `answering`, every later token is answer."""
+    """Follows one choice's harmony output: its analysis messages are thinking, any other message (its header
+    included) is answer. A header's tokens are held until its `<|message|>` (or until it is too long to be
+    one). An answer's message that ends (`<|end|>`) as the last token of a call makes the next call read a
+    header again, so a later analysis message (after a preamble, say) is thinking too; an end inside a
+    burst of tokens (speculation) leaves the rest of the burst answer, since the answer's tokens must be
+    the last of a call (the output processor cuts stop strings by position), and the text's parser then
+    drops such a message as before."""
+
+    answer_is_final = False
 
     def __init__(self, spec: ChannelReasoning) -> None:
         self.spec = spec
@@ -84,6 +93,8 @@ class ChannelSplit:
         """The next output tokens → (the thinking tokens among them, the answer's header tokens held from
         earlier calls, this call's answer tokens)."""
         if self.answering:
+            if token_ids and token_ids[-1] == self.spec.end_token_id:
+                self.answering = False
             return [], [], list(token_ids)
         thinking: list[int] = []
         self._held = len(self._header)
@@ -100,11 +111,12 @@ class ChannelSplit:
                 self.thinking = True
                 self._header, self._held = [], 0
             elif ends or len(self._header) > _MAX_HEADER_TOKENS:
-                self.answering = True
                 # The header's tokens from this call start here; the answer is they and all after them.
                 start = position + 1 - (len(self._header) - self._held)
                 held, self._header = self._header[: self._held], []
-                return thinking, held, list(token_ids[start:])
+                answer = list(token_ids[start:])
+                self.answering = answer[-1] != self.spec.end_token_id
+                return thinking, held, answer
         return thinking, [], []
 
     def _is_reasoning(self, header: list[int]) -> bool:

@@ -152,6 +152,45 @@ async def test_the_engine_splits_the_analysis_off_and_the_answer_keeps_its_heade
     assert chunks[-1].timings.reasoning_tokens == len(tokenizer.encode("Two plus two.", add_special_tokens=False))
 
 
+@pytest.mark.parametrize("jump_forward", [False, True], ids=["token-by-token", "in-a-burst"])
+async def test_a_later_analysis_message_is_reasoning_too(tokenizer, jump_forward):
+    """Analysis, a preamble, analysis again, the final message: decoded a token a step, both analyses are
+    reasoning, in order, and the answer keeps both of its messages (the second analysis's header and end are
+    neither). Forced in one burst (the grammar's jump-forward), the answer's end comes inside the burst, and
+    the later analysis stays in the answer's text, which the parser drops as before."""
+    loaded = tiny_loaded(tokenizer, "gpt_oss", vocab_size=len(tokenizer), kernels_cache=CACHE_DIR)
+    forced = GrammarSpec(
+        "grammar",
+        'start: <|channel|> "analysis" <|message|> "Two plus two." <|end|> <|start|> "assistant" <|channel|>'
+        ' "commentary" <|message|> "Let me check." <|end|> <|start|> "assistant" <|channel|> "analysis"'
+        ' <|message|> "Still four." <|end|> <|start|> "assistant" <|channel|> "final" <|message|> "Four."',
+    )
+    reasoning = HarmonyChannels.of(tokenizer).for_prompt([])
+    engine = tiny_engine(loaded, jump_forward=jump_forward)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0.0, grammar=forced, reasoning=reasoning, stop=("Five",))
+        chunks = await collect(engine, tokenizer.encode("<|start|>assistant", add_special_tokens=False), params)
+    finally:
+        engine.shutdown()
+    preamble = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+    later = "<|start|>assistant<|channel|>analysis<|message|>Still four.<|end|>"
+    final = "<|start|>assistant<|channel|>final<|message|>Four."
+    text = "".join(c.text for c in chunks)
+    assert parse([text])[0] == "Let me check.Four."
+    if jump_forward:
+        assert "".join(c.reasoning for c in chunks) == "Two plus two."
+        assert text == preamble + later + final
+        return
+    assert "".join(c.reasoning for c in chunks) == "Two plus two.Still four."
+    assert text == preamble + final
+    # The later reasoning comes after the preamble's text, as the model wrote it.
+    first_later = next(i for i, c in enumerate(chunks) if "Still" in c.reasoning)
+    assert "check" in "".join(c.text for c in chunks[:first_later])
+    thought = len(tokenizer.encode("Two plus two.Still four.", add_special_tokens=False))
+    assert chunks[-1].timings.reasoning_tokens == thought
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_folder(tmp_path_factory, tokenizer):
     """A tiny random gpt-oss over the harmony tokenizer, its ends of sequence <|return|> and <|call|>."""
