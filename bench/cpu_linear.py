@@ -32,6 +32,7 @@ HALVES = {
     WeightForm.Q8_0: slice(0, 2),
     WeightForm.Q4_1: slice(0, 4),
     WeightForm.Q4_K: slice(0, 4),
+    WeightForm.Q5_K: slice(0, 4),
     WeightForm.Q6_K: slice(208, 210),
 }
 

@@ -76,7 +76,7 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path):
     assert [t for t, _ in served] == [t for t, _ in expected]
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q4_K, WeightForm.Q6_K], ids=lambda form: form.name)
+@pytest.mark.parametrize("form", [WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K], ids=lambda form: form.name)
 async def test_a_k_quant_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
     # Rows of 256 and 512 weights, whole super-blocks; gguf has no k-quant quantizer, so the file holds
     # random blocks: its own weights, which transformers reads as it reads any.

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kernels.cpu.invariant import PackedLinear, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_WEIGHTS, PackedLinear, WeightForm
 from engine.kernels.cpu.native import choose_variant, load_library, runnable_variants, splits_512_bit_vectors
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
@@ -43,7 +43,7 @@ def _packed(library, form: WeightForm, out_features: int, in_features: int) -> P
     [
         (form, *shape)
         for form in WeightForm
-        for shape in (SUPER_BLOCK_SHAPES if form in (WeightForm.Q4_K, WeightForm.Q6_K) else SHAPES)
+        for shape in (SUPER_BLOCK_SHAPES if BLOCK_WEIGHTS.get(form) == 256 else SHAPES)
     ],
     ids=lambda value: getattr(value, "name", str(value)),
 )

@@ -1,4 +1,5 @@
-"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q4_K and Q6_K blocks, bfloat16):
+"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q4_K, Q5_K and Q6_K blocks,
+bfloat16):
 bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
@@ -24,7 +25,14 @@ SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
 SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)]
 # The fp16 scales' spread: the k-quants' weights then spread about as a tiny model's (0.2), since a model of
 # them (tests/unit/test_gguf.py) would otherwise amplify rounding differences from layer to layer.
-SCALE_SPREAD = {WeightForm.Q8_0: 0.05, WeightForm.Q4_1: 0.05, WeightForm.Q4_K: 6e-4, WeightForm.Q6_K: 1.5e-4}
+SCALE_SPREAD = {
+    WeightForm.Q8_0: 0.05,
+    WeightForm.Q4_1: 0.05,
+    WeightForm.Q4_K: 6e-4,
+    WeightForm.Q5_K: 3e-4,
+    WeightForm.Q6_K: 1.5e-4,
+}
+K_QUANTS = (WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +49,7 @@ def random_blocks(form: WeightForm, out_features: int, in_features: int) -> torc
     generator = np.random.default_rng(out_features * 7919 + in_features)
     data = generator.integers(0, 256, (blocks, BLOCK_BYTES[form]), dtype=np.uint8)
     halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[form]).astype(np.float16)
-    # Where each form keeps its fp16 values: d (Q8_0); d, m (Q4_1); d, dmin (Q4_K); d at the block's end (Q6_K).
+    # Where each form keeps its fp16 values: d (Q8_0); d, m (Q4_1); d, dmin (Q4_K, Q5_K); d at the end (Q6_K).
     where = {WeightForm.Q8_0: slice(0, 2), WeightForm.Q6_K: slice(208, 210)}.get(form, slice(0, 4))
     data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
     return torch.from_numpy(data.reshape(out_features, -1).copy())
@@ -67,7 +75,7 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
     ("form", "out_features", "in_features"),
     [
         *((form, *shape) for form in (WeightForm.Q8_0, WeightForm.Q4_1) for shape in SHAPES),
-        *((form, *shape) for form in (WeightForm.Q4_K, WeightForm.Q6_K) for shape in SUPER_BLOCK_SHAPES),
+        *((form, *shape) for form in K_QUANTS for shape in SUPER_BLOCK_SHAPES),
     ],
     ids=lambda value: getattr(value, "name", str(value)),
 )
@@ -75,9 +83,9 @@ def test_gguf_blocks_give_the_float32_kernels_bits(library, form, out_features, 
     blocks = random_blocks(form, out_features, in_features)
     weight = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]).reshape(out_features, in_features))
     packed = PackedLinear.pack_blocks(library, form, blocks, out_features, in_features)
-    # The blocks' own bytes, the last panel's columns padded to 16 (Q4_K's sub-block scales and minimums take
-    # a byte each, 16 of a block's 144 bytes where they were 12).
-    block_bytes = BLOCK_BYTES[form] + (4 if form == WeightForm.Q4_K else 0)
+    # The blocks' own bytes, the last panel's columns padded to 16 (Q4_K's and Q5_K's sub-block scales and
+    # minimums take a byte each, 16 of a block's bytes where they were 12).
+    block_bytes = BLOCK_BYTES[form] + (4 if form in (WeightForm.Q4_K, WeightForm.Q5_K) else 0)
     assert packed.panels.numel() == -(-out_features // 16) * 16 * in_features // BLOCK_WEIGHTS[form] * block_bytes
     assert_same_bits(library, packed, weight)
 
@@ -105,7 +113,7 @@ def test_blocks_of_the_wrong_shape_are_refused(library):
         PackedLinear.pack_blocks(library, WeightForm.Q4_1, torch.zeros(4, 20, dtype=torch.uint8), 4, 40)
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q4_1, WeightForm.Q4_K, WeightForm.Q6_K])
+@pytest.mark.parametrize("form", [WeightForm.Q4_1, *K_QUANTS])
 def test_unpacked_gives_the_values_the_kernel_widens_to(library, form):
     blocks = random_blocks(form, 40, 512)
     packed = PackedLinear.pack_blocks(library, form, blocks, 40, 512)

@@ -1,6 +1,6 @@
 // Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA, and with AVX-512 (the avx2-fma and avx512
 // variants of native.py: one build each), the linear layer's weights held in the form they ship in (float32,
-// bfloat16, GGUF Q8_0, Q4_1, Q4_K or Q6_K blocks) and widened exactly to float32 in registers.
+// bfloat16, GGUF Q8_0, Q4_1, Q4_K, Q5_K or Q6_K blocks) and widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
@@ -66,6 +66,18 @@ inline Lanes nibbles_to_lanes(const uint8_t* p) {
   const __m512i shifted = _mm512_srlv_epi32(wide, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
   return {_mm512_permutexvar_ps(shifted, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))};
 }
+// 10 bytes holding lane c's 5-bit unsigned value at bits 5c to 5c + 4 (16 bytes read): a byte shuffle gives
+// each lane the 4 bytes from byte 5c / 8 on, a shift puts bit 5c % 8 + 4 at the top and another the field at
+// the bottom.
+inline Lanes fives_to_lanes(const uint8_t* p) {
+  const __m512i windows = _mm512_shuffle_epi8(
+      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)),
+      _mm512_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403, 0x06050403,
+                        0x07060504, 0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
+                        0x0B0A0908, 0x0C0B0A09));
+  const __m512i shifts = _mm512_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24, 27, 22, 25, 20, 23, 26, 21, 24);
+  return {_mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_sllv_epi32(windows, shifts), 27))};
+}
 #else
 struct Lanes {
   __m256 lo, hi;
@@ -103,6 +115,17 @@ inline Lanes nibbles_to_lanes(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))),
           _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4))};
 }
+inline Lanes fives_to_lanes(const uint8_t* p) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  const __m256i shifts = _mm256_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24);
+  auto lanes = [&](__m256i windows) {
+    return _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts), 27));
+  };
+  return {lanes(_mm256_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403,
+                                  0x06050403, 0x07060504)),
+          lanes(_mm256_setr_epi32(0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
+                                  0x0B0A0908, 0x0C0B0A09))};
+}
 #endif
 
 // The forms a packed weight's panel holds its 16 columns in, each read one group of k at a time and
@@ -121,14 +144,19 @@ inline Lanes nibbles_to_lanes(const uint8_t* p) {
 //          dequantizer computes it. Both products with sc and m, and (d * sc) * q, are exact in float32
 //          (11 + 6 + 4 significant bits), so only the subtraction rounds: one FMA (a fused multiply-
 //          subtract) in the kernels, the written-out operations in the scalar variant.
+//   kQ5_K: kQ4_K's with 5-bit q: per 256 k, d then dmin; per 32 k, 32 x 10 bytes of q (column c's at bits 5c
+//          to 5c + 4, widened as kQ6_K's fields are), then sc and m, so the last k's 16-byte load stays in its
+//          group. (d * sc) * q still has at most 22 significant bits, exact, so w = (d * sc) * q - (dmin * m)
+//          rounds once as kQ4_K's does.
 //   kQ6_K: per 256 k, the columns' d (fp16); then per 16 k, 16 x 12 bytes of q (GGUF's 6 bits less 32) in
 //          6-bit two's complement, column c's at bits 6c to 6c + 5, and the columns' int8 scales; w = (d *
 //          scale) * q, as GGUF's dequantizer computes it: d * scale is exact, the product with q rounds once.
 //          A byte shuffle gives each lane the 4 bytes holding its field, two shifts sign-extend it in place.
 // The k-quants' super-block scales sit in a header before each 256 k of groups, read once a group: a Q6_K
-// panel holds as many bytes a weight as the GGUF blocks it came from, a Q4_K one 148 for each 144 (its 6-bit
-// scales and mins unpacked to a byte each, which the kernels then read with one load).
-enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5 };
+// panel holds as many bytes a weight as the GGUF blocks it came from, a Q4_K one 148 for each 144 and a Q5_K
+// one 180 for each 176 (their 6-bit scales and mins unpacked to a byte each, which the kernels then read with
+// one load).
+enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5, kQ5_K = 6 };
 
 // A form's groups of kGroup k, each with its own Scales, GroupBytes apart in a panel; sl_pack reads the
 // source's blocks of kBlock k.
@@ -226,27 +254,44 @@ struct Q4_1 : Groups<32, kPanel * 4 + 32 * kPanel / 2> {
   }
 };
 
-struct Q4_K : SuperBlocks<32, kPanel * 2 + 32 * kPanel / 2, kPanel * 4> {
+// Q4_K and Q5_K (Fifths: 5-bit q); a group: sc, m, then the nibbles (kQ4_1's layout), or the 5-bit fields,
+// then sc, m.
+template <bool Fifths>
+struct MinScaled : SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2), kPanel * 4> {
+  using Base = SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2), kPanel * 4>;
+  // Offsets in a group of the scales sc (the mins m follow them) and of the values q.
+  static constexpr int64_t kScales = Fifths ? 32 * 10 : 0, kValues = Fifths ? 0 : kPanel * 2;
   struct Scales {
     Lanes d, m;  // d * sc and dmin * m
   };
   static Scales scales(const uint8_t* panel, int64_t g) {
-    const uint8_t* head = panel + header(g);
-    const uint8_t* group = panel + offset(g);
+    const uint8_t* head = panel + Base::header(g);
+    const uint8_t* group = panel + Base::offset(g) + kScales;
     return {mul_lanes(halves_to_lanes(head), uint8s_to_lanes(group)),
             mul_lanes(halves_to_lanes(head + kPanel * 2), uint8s_to_lanes(group + kPanel))};
   }
   static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
-    return fms_lanes(s.d, nibbles_to_lanes(group + kPanel * 2 + kk * (kPanel / 2)), s.m);
+    if constexpr (Fifths) return fms_lanes(s.d, fives_to_lanes(group + kk * 10), s.m);
+    else return fms_lanes(s.d, nibbles_to_lanes(group + kValues + kk * (kPanel / 2)), s.m);
   }
   static float scalar(const uint8_t* panel, int64_t k, int c) {
-    const uint8_t* head = panel + header(k / kGroup);
-    const uint8_t* group = panel + offset(k / kGroup);
-    const float d = half_to_float(head, c) * (float)group[c];
-    const float m = half_to_float(head + kPanel * 2, c) * (float)group[kPanel + c];
-    return d * (float)nibble(group + kPanel * 2, (int)(k % kGroup), c) - m;
+    const uint8_t* head = panel + Base::header(k / 32);
+    const uint8_t* group = panel + Base::offset(k / 32);
+    const float d = half_to_float(head, c) * (float)group[kScales + c];
+    const float m = half_to_float(head + kPanel * 2, c) * (float)group[kScales + kPanel + c];
+    int q;
+    if constexpr (Fifths) {
+      uint16_t window;
+      memcpy(&window, group + k % 32 * 10 + 5 * c / 8, 2);
+      q = window >> 5 * c % 8 & 31;
+    } else {
+      q = nibble(group + kValues, (int)(k % 32), c);
+    }
+    return d * (float)q - m;
   }
 };
+using Q4_K = MinScaled<false>;
+using Q5_K = MinScaled<true>;
 
 struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
   static constexpr int64_t kScales = 16 * 12;  // the scales' offset in a group
@@ -508,6 +553,40 @@ void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
       for (int64_t b = 0; b < blocks; ++b) column(n, b, wp + p * panel_bytes<F>(k_dim));
 }
 
+// Sub-block `sub`'s 6-bit scale and min from a Q4_K or Q5_K block's 12 bytes `s`: bytes 0-3 hold scales 0-3 in
+// their low 6 bits and the high 2 bits of scales 4-7 above; bytes 4-7 the mins likewise; bytes 8-11 the low 4
+// bits of scales 4-7, of mins 4-7 above.
+inline void unpack_scale_min(const uint8_t* s, int sub, uint8_t* scale, uint8_t* min) {
+  *scale = sub < 4 ? s[sub] & 63 : (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4;
+  *min = sub < 4 ? s[sub + 4] & 63 : (s[sub + 4] >> 4) | (s[sub] >> 6) << 4;
+}
+
+// Column c's GGUF block b of a Q4_K or Q5_K weight into its panel: d, dmin at the block's start, the scales
+// and mins at byte 4 (unpack_scale_min), the nibbles at `nibbles` (weight 64i + j, j < 32, in byte 32i + j's
+// low nibble, weight 64i + 32 + j in its high one) and, for Q5_K, the fifth bits at `fifths` (weight 32i + j's
+// at bit i of byte j).
+template <class F>
+void pack_min_scaled(const uint8_t* block, int64_t nibbles, const uint8_t* fifths, int c, uint8_t* panel, int64_t b) {
+  uint8_t* head = panel + F::header(b * 8);
+  memcpy(head + c * 2, block, 2);
+  memcpy(head + kPanel * 2 + c * 2, block + 2, 2);
+  for (int sub = 0; sub < 8; ++sub) {
+    uint8_t* dst = panel + F::offset(b * 8 + sub);
+    unpack_scale_min(block + 4, sub, dst + F::kScales + c, dst + F::kScales + kPanel + c);
+    for (int kk = 0; kk < 32; ++kk) {
+      const int q = block[nibbles + sub / 2 * 32 + kk] >> (sub % 2 * 4) & 15;
+      if (fifths == nullptr) {
+        set_nibble(dst + F::kValues, kk, c, q);
+        continue;
+      }
+      uint16_t window;
+      memcpy(&window, dst + kk * 10 + 5 * c / 8, 2);
+      window |= (uint16_t)((q | (fifths[kk] >> sub & 1) << 4) << 5 * c % 8);
+      memcpy(dst + kk * 10 + 5 * c / 8, &window, 2);
+    }
+  }
+}
+
 // The KV cache's element types (CacheDtype), 8 elements widened to float32 exactly. A cache in bfloat16 or
 // float16 holds each key and value rounded once as it was stored (to nearest even: torch's Tensor.to in
 // paged_attention, decoder.cpp's store); attention reads them widened, the same values whichever step wrote
@@ -627,6 +706,7 @@ void with_form(int64_t form, Run run) {
     case kQ8_0: run(Q8_0{}); break;
     case kQ4_1: run(Q4_1{}); break;
     case kQ4_K: run(Q4_K{}); break;
+    case kQ5_K: run(Q5_K{}); break;
     case kQ6_K: run(Q6_K{}); break;
     // The Python side names only these forms; any other is a bug there, not an input to serve.
     default: abort();
@@ -722,25 +802,16 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
       });
       break;
     case kQ4_K:
-      // A block: d, dmin (fp16); 12 bytes of the 8 sub-blocks' 6-bit scales and mins (bytes 0-3: scales 0-3
-      // in their low 6 bits, the high 2 bits of scales 4-7 above; bytes 4-7: the mins likewise; bytes 8-11:
-      // the low 4 bits of scales 4-7, of mins 4-7 above); then 128 bytes, weight 64i + j (j < 32) in byte
-      // 32i + j's low nibble, weight 64i + 32 + j in its high one.
+      // A block: d, dmin (fp16), 12 bytes of scales and mins, 128 bytes of nibbles (pack_min_scaled).
       pack_panels<Q4_K>(n_dim, k_dim, wp, [&](int64_t n, int64_t b, uint8_t* panel) {
-        const uint8_t* block = src + (n * (k_dim / 256) + b) * 144;
-        const uint8_t* packed_scales = block + 4;
-        const int c = (int)(n % kPanel);
-        uint8_t* head = panel + Q4_K::header(b * 8);
-        memcpy(head + c * 2, block, 2);
-        memcpy(head + kPanel * 2 + c * 2, block + 2, 2);
-        for (int sub = 0; sub < 8; ++sub) {
-          uint8_t* dst = panel + Q4_K::offset(b * 8 + sub);
-          const uint8_t* s = packed_scales;
-          dst[c] = sub < 4 ? s[sub] & 63 : (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4;
-          dst[kPanel + c] = sub < 4 ? s[sub + 4] & 63 : (s[sub + 4] >> 4) | (s[sub] >> 6) << 4;
-          for (int kk = 0; kk < 32; ++kk)
-            set_nibble(dst + kPanel * 2, kk, c, block[16 + sub / 2 * 32 + kk] >> (sub % 2 * 4) & 15);
-        }
+        pack_min_scaled<Q4_K>(src + (n * (k_dim / 256) + b) * 144, 16, nullptr, (int)(n % kPanel), panel, b);
+      });
+      break;
+    case kQ5_K:
+      // Q4_K's block with 32 bytes of fifth bits before the nibbles.
+      pack_panels<Q5_K>(n_dim, k_dim, wp, [&](int64_t n, int64_t b, uint8_t* panel) {
+        const uint8_t* block = src + (n * (k_dim / 256) + b) * 176;
+        pack_min_scaled<Q5_K>(block, 48, block + 16, (int)(n % kPanel), panel, b);
       });
       break;
     case kQ6_K:

@@ -29,15 +29,29 @@ class WeightForm(IntEnum):
     # GGUF blocks of 32 weights along K: w = d * q (int8 q) and w = d * q + m (4-bit q), d and m fp16.
     Q8_0 = 2
     Q4_1 = 3
-    # GGUF's k-quants, super-blocks of 256 weights along K: w = (d * sc) * q - (dmin * m) (4-bit q, 6-bit sc and
-    # m per 32 weights) and w = (d * sc) * q (6-bit q, int8 sc per 16 weights), d and dmin fp16.
+    # GGUF's k-quants, super-blocks of 256 weights along K: w = (d * sc) * q - (dmin * m) (4-bit q, or 5-bit
+    # for Q5_K, 6-bit sc and m per 32 weights) and w = (d * sc) * q (6-bit q, int8 sc per 16 weights), d and
+    # dmin fp16.
     Q4_K = 4
     Q6_K = 5
+    Q5_K = 6
 
 
 # A GGUF block's weights along K and its bytes, per form.
-BLOCK_WEIGHTS = {WeightForm.Q8_0: 32, WeightForm.Q4_1: 32, WeightForm.Q4_K: 256, WeightForm.Q6_K: 256}
-BLOCK_BYTES = {WeightForm.Q8_0: 34, WeightForm.Q4_1: 20, WeightForm.Q4_K: 144, WeightForm.Q6_K: 210}
+BLOCK_WEIGHTS = {
+    WeightForm.Q8_0: 32,
+    WeightForm.Q4_1: 32,
+    WeightForm.Q4_K: 256,
+    WeightForm.Q5_K: 256,
+    WeightForm.Q6_K: 256,
+}
+BLOCK_BYTES = {
+    WeightForm.Q8_0: 34,
+    WeightForm.Q4_1: 20,
+    WeightForm.Q4_K: 144,
+    WeightForm.Q5_K: 176,
+    WeightForm.Q6_K: 210,
+}
 
 # The KV cache dtypes the attention kernel reads, widening each element exactly (CacheDtype in invariant.h).
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
