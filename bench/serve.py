@@ -263,12 +263,13 @@ async def level(base: str, model: str | None, concurrency: int, args: argparse.N
     }
 
 
-def default_model() -> Model:
-    """The embedded default model: its converted folder (made on first use) and its GGUF."""
+def default_model(gguf: Path | None = None) -> Model:
+    """The embedded default model (or another GGUF): its converted folder (made on first use) and its GGUF."""
     from engine.model.model_files import convert_gguf, default_model_gguf
 
+    gguf = gguf or default_model_gguf()
     cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
-    return Model(folder=convert_gguf(default_model_gguf(), cache), gguf=default_model_gguf())
+    return Model(folder=convert_gguf(gguf, cache), gguf=gguf)
 
 
 def load_tokenizer(path: str | None):
@@ -323,6 +324,7 @@ def main() -> None:
         choices=["transformers", "llama-server"],
         help="start a peer server on the default model (installed by bench/peers.py into its own environment)",
     )
+    parser.add_argument("--peer-gguf", type=Path, help="a GGUF file the peers serve instead of the default model")
     parser.add_argument("--model", help="the `model` field to send (peers may need it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--requests-per-worker", type=int, default=2)
@@ -340,7 +342,7 @@ def main() -> None:
         if kind == "spawn":
             return spawn(where)
         if kind == "peer":
-            return peers.start(where, default_model(), server_process.free_port())
+            return peers.start(where, default_model(args.peer_gguf), server_process.free_port())
         return None, where
 
     results: dict[str, list[dict]] = {}
