@@ -27,10 +27,12 @@ from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, PackedLinea
 from engine.kernels.cpu.native import bind, load_library, runnable_variants  # noqa: E402
 
 SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
-# Where a GGUF block keeps its fp16 scales (d; d, m; d, dmin; d).
+# Where a GGUF block keeps its fp16 scales: d, and m or dmin after it where it has one (Q6_K: d at its end).
 HALVES = {
     WeightForm.Q8_0: slice(0, 2),
     WeightForm.Q4_1: slice(0, 4),
+    WeightForm.Q5_0: slice(0, 2),
+    WeightForm.Q5_1: slice(0, 4),
     WeightForm.Q4_K: slice(0, 4),
     WeightForm.Q5_K: slice(0, 4),
     WeightForm.Q6_K: slice(208, 210),

@@ -3,8 +3,8 @@ as, for the batch-invariant CPU kernels.
 
 Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
 order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
-changes no output while each step reads 4.6 bits per weight (Q4_K), 5 (Q4_1), 5.5 (Q5_K), 6.6 (Q6_K) or 8.5
-(Q8_0) instead of 32.
+changes no output while each step reads 4.5 bits per weight (Q4_K), 5 (Q4_1), 5.5 (Q5_0, Q5_K), 6 (Q5_1), 6.6
+(Q6_K) or 8.5 (Q8_0) instead of 32.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from engine.kernels.cpu.invariant import WeightForm
 _FORMS = {
     GGMLQuantizationType.Q8_0: WeightForm.Q8_0,
     GGMLQuantizationType.Q4_1: WeightForm.Q4_1,
+    GGMLQuantizationType.Q5_0: WeightForm.Q5_0,
+    GGMLQuantizationType.Q5_1: WeightForm.Q5_1,
     GGMLQuantizationType.Q4_K: WeightForm.Q4_K,
     GGMLQuantizationType.Q5_K: WeightForm.Q5_K,
     GGMLQuantizationType.Q6_K: WeightForm.Q6_K,

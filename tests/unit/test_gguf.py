@@ -65,13 +65,14 @@ async def test_a_gguf_is_served_as_transformers_reads_it(tmp_path, model_type):
     assert [lp for _, lp in served] == pytest.approx([lp for _, lp in expected], abs=1e-4)
 
 
-async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path):
+@pytest.mark.parametrize("form", [WeightForm.Q8_0, WeightForm.Q5_0, WeightForm.Q5_1], ids=lambda form: form.name)
+async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
     model = tiny_hf_model("qwen3", **OVERRIDES["qwen3"])
-    path = write_gguf(model, tmp_path / "tiny-qwen3-q8_0.gguf", gguf.GGMLQuantizationType.Q8_0)
+    path = write_gguf(model, tmp_path / f"tiny-qwen3-{form.name}.gguf", gguf.GGMLQuantizationType[form.name])
     loaded, served = await _served(path)
-    # q/k/v/o, gate/up/down of both layers as the file's Q8_0 blocks (the head too: its input is 64 wide).
+    # q/k/v/o, gate/up/down of both layers as the file's blocks (the head too: its input is 64 wide).
     forms = [packed.form for packed in loaded.model._packed.values()]
-    assert forms.count(WeightForm.Q8_0) == 2 * 7 + 1
+    assert forms.count(form) == 2 * 7 + 1
     expected = hf_greedy_logprobs(_transformers_reading(path), PROMPT, NEW_TOKENS)
     assert [t for t, _ in served] == [t for t, _ in expected]
 

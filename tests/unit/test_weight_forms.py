@@ -1,5 +1,5 @@
-"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q4_K, Q5_K and Q6_K blocks,
-bfloat16):
+"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
+Q6_K blocks, bfloat16):
 bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
@@ -21,6 +21,8 @@ from tests.conftest import CACHE_DIR
 
 GGUF_TYPES = {form: GGMLQuantizationType[form.name] for form in BLOCK_BYTES}
 SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
+# A Q4_K_M (Q5_K_M) file's Q5_0 (Q5_1) tensors: rows of 576 and 1536, whose K is no multiple of 256.
+FIVE_BIT_SHAPES = [(1536, 576), (577, 1536), (100, 64), (1, 32), (17, 96)]
 # The k-quants' super-blocks span 256 weights of K; N is no multiple of a panel's 16 columns.
 SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)]
 # The fp16 scales' spread: the k-quants' weights then spread about as a tiny model's (0.2), since a model of
@@ -28,11 +30,14 @@ SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)
 SCALE_SPREAD = {
     WeightForm.Q8_0: 0.05,
     WeightForm.Q4_1: 0.05,
+    WeightForm.Q5_0: 0.025,
+    WeightForm.Q5_1: 0.025,
     WeightForm.Q4_K: 6e-4,
     WeightForm.Q5_K: 3e-4,
     WeightForm.Q6_K: 1.5e-4,
 }
 K_QUANTS = (WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K)
+FIVE_BITS = (WeightForm.Q5_0, WeightForm.Q5_1)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,11 @@ def random_blocks(form: WeightForm, out_features: int, in_features: int) -> torc
     generator = np.random.default_rng(out_features * 7919 + in_features)
     data = generator.integers(0, 256, (blocks, BLOCK_BYTES[form]), dtype=np.uint8)
     halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[form]).astype(np.float16)
-    # Where each form keeps its fp16 values: d (Q8_0); d, m (Q4_1); d, dmin (Q4_K, Q5_K); d at the end (Q6_K).
-    where = {WeightForm.Q8_0: slice(0, 2), WeightForm.Q6_K: slice(208, 210)}.get(form, slice(0, 4))
+    # Where each form keeps its fp16 values: d (Q8_0, Q5_0); d, m (Q4_1, Q5_1); d, dmin (Q4_K, Q5_K); d at the
+    # end (Q6_K).
+    where = {WeightForm.Q8_0: slice(0, 2), WeightForm.Q5_0: slice(0, 2), WeightForm.Q6_K: slice(208, 210)}.get(
+        form, slice(0, 4)
+    )
     data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
     return torch.from_numpy(data.reshape(out_features, -1).copy())
 
@@ -75,6 +83,7 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
     ("form", "out_features", "in_features"),
     [
         *((form, *shape) for form in (WeightForm.Q8_0, WeightForm.Q4_1) for shape in SHAPES),
+        *((form, *shape) for form in FIVE_BITS for shape in FIVE_BIT_SHAPES),
         *((form, *shape) for form in K_QUANTS for shape in SUPER_BLOCK_SHAPES),
     ],
     ids=lambda value: getattr(value, "name", str(value)),
@@ -113,7 +122,7 @@ def test_blocks_of_the_wrong_shape_are_refused(library):
         PackedLinear.pack_blocks(library, WeightForm.Q4_1, torch.zeros(4, 20, dtype=torch.uint8), 4, 40)
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q4_1, *K_QUANTS])
+@pytest.mark.parametrize("form", [WeightForm.Q4_1, *FIVE_BITS, *K_QUANTS], ids=lambda form: form.name)
 def test_unpacked_gives_the_values_the_kernel_widens_to(library, form):
     blocks = random_blocks(form, 40, 512)
     packed = PackedLinear.pack_blocks(library, form, blocks, 40, 512)

@@ -1,6 +1,6 @@
 // Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA, and with AVX-512 (the avx2-fma and avx512
 // variants of native.py: one build each), the linear layer's weights held in the form they ship in (float32,
-// bfloat16, GGUF Q8_0, Q4_1, Q4_K, Q5_K or Q6_K blocks) and widened exactly to float32 in registers.
+// bfloat16, GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks) and widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
@@ -66,9 +66,10 @@ inline Lanes nibbles_to_lanes(const uint8_t* p) {
   const __m512i shifted = _mm512_srlv_epi32(wide, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0));
   return {_mm512_permutexvar_ps(shifted, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))};
 }
-// 10 bytes holding lane c's 5-bit unsigned value at bits 5c to 5c + 4 (16 bytes read): a byte shuffle gives
-// each lane the 4 bytes from byte 5c / 8 on, a shift puts bit 5c % 8 + 4 at the top and another the field at
-// the bottom.
+// 10 bytes holding lane c's 5-bit value at bits 5c to 5c + 4 (16 bytes read), unsigned or (Signed) in two's
+// complement: a byte shuffle gives each lane the 4 bytes from byte 5c / 8 on, a shift puts bit 5c % 8 + 4 at
+// the top and another (arithmetic where Signed, so extending the sign) the field at the bottom.
+template <bool Signed = false>
 inline Lanes fives_to_lanes(const uint8_t* p) {
   const __m512i windows = _mm512_shuffle_epi8(
       _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)),
@@ -76,7 +77,8 @@ inline Lanes fives_to_lanes(const uint8_t* p) {
                         0x07060504, 0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
                         0x0B0A0908, 0x0C0B0A09));
   const __m512i shifts = _mm512_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24, 27, 22, 25, 20, 23, 26, 21, 24);
-  return {_mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_sllv_epi32(windows, shifts), 27))};
+  const __m512i top = _mm512_sllv_epi32(windows, shifts);
+  return {_mm512_cvtepi32_ps(Signed ? _mm512_srai_epi32(top, 27) : _mm512_srli_epi32(top, 27))};
 }
 #else
 struct Lanes {
@@ -115,11 +117,13 @@ inline Lanes nibbles_to_lanes(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))),
           _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4))};
 }
+template <bool Signed = false>
 inline Lanes fives_to_lanes(const uint8_t* p) {
   const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
   const __m256i shifts = _mm256_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24);
   auto lanes = [&](__m256i windows) {
-    return _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts), 27));
+    const __m256i top = _mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts);
+    return _mm256_cvtepi32_ps(Signed ? _mm256_srai_epi32(top, 27) : _mm256_srli_epi32(top, 27));
   };
   return {lanes(_mm256_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403,
                                   0x06050403, 0x07060504)),
@@ -139,6 +143,13 @@ inline Lanes fives_to_lanes(const uint8_t* p) {
 //          in its low nibble and column j + 8 in its high one; w = (d * q) + m, two roundings, as GGUF's
 //          dequantizer computes it. d * q is exact in float32 (11 significant bits times 4), so one FMA
 //          rounds the same sum once: the kernels take the FMA, the scalar variant the two roundings.
+//   kQ5_0: per 32 k, 32 x 10 bytes of q (GGUF's 5 bits less 16) in 5-bit two's complement, column c's at bits
+//          5c to 5c + 4 (kQ5_K's fields, sign-extended by the second shift), then the columns' d (fp16): after
+//          the fields, so the last k's 16-byte load stays in its group. w = d * q, as GGUF's dequantizer
+//          computes it, exact in float32 (11 significant bits times 5).
+//   kQ5_1: kQ5_0's with GGUF's 5 bits as they are, unsigned, and the offsets m (fp16) after d; w = (d * q) + m,
+//          two roundings in GGUF's dequantizer, one FMA in the kernels as kQ4_1's (d * q is still exact). Both
+//          panels hold as many bytes a weight as the GGUF blocks they came from.
 //   kQ4_K: per 256 k, the columns' d then dmin (fp16); then per 32 k their 6-bit scales sc then mins m (a
 //          byte each) and 32 x 8 bytes of nibbles as kQ4_1's; w = (d * sc) * q - (dmin * m), as GGUF's
 //          dequantizer computes it. Both products with sc and m, and (d * sc) * q, are exact in float32
@@ -156,7 +167,17 @@ inline Lanes fives_to_lanes(const uint8_t* p) {
 // panel holds as many bytes a weight as the GGUF blocks it came from, a Q4_K one 148 for each 144 and a Q5_K
 // one 180 for each 176 (their 6-bit scales and mins unpacked to a byte each, which the kernels then read with
 // one load).
-enum Form : int64_t { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_1 = 3, kQ4_K = 4, kQ6_K = 5, kQ5_K = 6 };
+enum Form : int64_t {
+  kF32 = 0,
+  kBF16 = 1,
+  kQ8_0 = 2,
+  kQ4_1 = 3,
+  kQ4_K = 4,
+  kQ6_K = 5,
+  kQ5_K = 6,
+  kQ5_0 = 7,
+  kQ5_1 = 8,
+};
 
 // A form's groups of kGroup k, each with its own Scales, GroupBytes apart in a panel; sl_pack reads the
 // source's blocks of kBlock k.
@@ -222,6 +243,19 @@ inline void set_nibble(uint8_t* nibbles, int kk, int c, int q) {
   nibbles[kk * (kPanel / 2) + c % 8] |= (uint8_t)(c < 8 ? q : q << 4);
 }
 
+// Column c's 5-bit field at k kk of fields laid out as kQ5_K's (10 bytes a k, column c's at bits 5c to 5c + 4).
+inline int five(const uint8_t* fields, int kk, int c) {
+  uint16_t window;
+  memcpy(&window, fields + kk * 10 + 5 * c / 8, 2);
+  return window >> 5 * c % 8 & 31;
+}
+inline void set_five(uint8_t* fields, int kk, int c, int q) {
+  uint16_t window;
+  memcpy(&window, fields + kk * 10 + 5 * c / 8, 2);
+  window |= (uint16_t)(q << 5 * c % 8);
+  memcpy(fields + kk * 10 + 5 * c / 8, &window, 2);
+}
+
 struct Q8_0 : Groups<32, kPanel * 2 + 32 * kPanel> {
   struct Scales {
     Lanes d;
@@ -254,6 +288,33 @@ struct Q4_1 : Groups<32, kPanel * 4 + 32 * kPanel / 2> {
   }
 };
 
+// Q5_0 and Q5_1 (Offset: with m): a group is its 5-bit fields, then d, then m.
+template <bool Offset>
+struct Fives : Groups<32, 32 * 10 + kPanel * (Offset ? 4 : 2)> {
+  using Base = Groups<32, 32 * 10 + kPanel * (Offset ? 4 : 2)>;
+  static constexpr int64_t kScales = 32 * 10;  // d's offset in a group (m follows)
+  struct Scales {
+    Lanes d, m;  // m: Q5_1's alone
+  };
+  static Scales scales(const uint8_t* panel, int64_t g) {
+    const uint8_t* group = panel + Base::offset(g) + kScales;
+    return {halves_to_lanes(group), Offset ? halves_to_lanes(group + kPanel * 2) : zero_lanes()};
+  }
+  static Lanes widen(const uint8_t* group, const Scales& s, int kk) {
+    if constexpr (Offset) return fma_lanes(s.d, fives_to_lanes(group + kk * 10), s.m);
+    else return mul_lanes(fives_to_lanes<true>(group + kk * 10), s.d);
+  }
+  static float scalar(const uint8_t* panel, int64_t k, int c) {
+    const uint8_t* group = panel + Base::offset(k / 32);
+    const int field = five(group, (int)(k % 32), c);
+    const float d = half_to_float(group + kScales, c);
+    if constexpr (Offset) return d * (float)field + half_to_float(group + kScales + kPanel * 2, c);
+    else return d * (float)((field ^ 16) - 16);  // the field's two's complement read back
+  }
+};
+using Q5_0 = Fives<false>;
+using Q5_1 = Fives<true>;
+
 // Q4_K and Q5_K (Fifths: 5-bit q); a group: sc, m, then the nibbles (kQ4_1's layout), or the 5-bit fields,
 // then sc, m.
 template <bool Fifths>
@@ -279,14 +340,7 @@ struct MinScaled : SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2),
     const uint8_t* group = panel + Base::offset(k / 32);
     const float d = half_to_float(head, c) * (float)group[kScales + c];
     const float m = half_to_float(head + kPanel * 2, c) * (float)group[kScales + kPanel + c];
-    int q;
-    if constexpr (Fifths) {
-      uint16_t window;
-      memcpy(&window, group + k % 32 * 10 + 5 * c / 8, 2);
-      q = window >> 5 * c % 8 & 31;
-    } else {
-      q = nibble(group + kValues, (int)(k % 32), c);
-    }
+    const int q = Fifths ? five(group, (int)(k % 32), c) : nibble(group + kValues, (int)(k % 32), c);
     return d * (float)q - m;
   }
 };
@@ -553,6 +607,23 @@ void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
       for (int64_t b = 0; b < blocks; ++b) column(n, b, wp + p * panel_bytes<F>(k_dim));
 }
 
+// Column c's GGUF Q5_0 (Offset: Q5_1) block into its panel's group: d (and m) at the block's start, then 4 bytes
+// of fifth bits (weight j's at bit j of their little-endian word) and 16 of nibbles (weight j in byte j's low
+// nibble, weight j + 16 in its high one). Q5_0's fields hold q - 16 in two's complement: q's bits with the top
+// one flipped.
+template <bool Offset>
+void pack_fives(const uint8_t* block, int c, uint8_t* group) {
+  constexpr int halves = Offset ? 2 : 1;
+  for (int h = 0; h < halves; ++h) memcpy(group + Fives<Offset>::kScales + h * kPanel * 2 + c * 2, block + h * 2, 2);
+  uint32_t fifths;
+  memcpy(&fifths, block + halves * 2, 4);
+  const uint8_t* nibbles = block + halves * 2 + 4;
+  for (int kk = 0; kk < 32; ++kk) {
+    const int q = (kk < 16 ? nibbles[kk] & 15 : nibbles[kk - 16] >> 4) | (fifths >> kk & 1) << 4;
+    set_five(group, kk, c, Offset ? q : q ^ 16);
+  }
+}
+
 // Sub-block `sub`'s 6-bit scale and min from a Q4_K or Q5_K block's 12 bytes `s`: bytes 0-3 hold scales 0-3 in
 // their low 6 bits and the high 2 bits of scales 4-7 above; bytes 4-7 the mins likewise; bytes 8-11 the low 4
 // bits of scales 4-7, of mins 4-7 above.
@@ -579,10 +650,7 @@ void pack_min_scaled(const uint8_t* block, int64_t nibbles, const uint8_t* fifth
         set_nibble(dst + F::kValues, kk, c, q);
         continue;
       }
-      uint16_t window;
-      memcpy(&window, dst + kk * 10 + 5 * c / 8, 2);
-      window |= (uint16_t)((q | (fifths[kk] >> sub & 1) << 4) << 5 * c % 8);
-      memcpy(dst + kk * 10 + 5 * c / 8, &window, 2);
+      set_five(dst, kk, c, q | (fifths[kk] >> sub & 1) << 4);
     }
   }
 }
@@ -705,6 +773,8 @@ void with_form(int64_t form, Run run) {
     case kBF16: run(BF16{}); break;
     case kQ8_0: run(Q8_0{}); break;
     case kQ4_1: run(Q4_1{}); break;
+    case kQ5_0: run(Q5_0{}); break;
+    case kQ5_1: run(Q5_1{}); break;
     case kQ4_K: run(Q4_K{}); break;
     case kQ5_K: run(Q5_K{}); break;
     case kQ6_K: run(Q6_K{}); break;
@@ -799,6 +869,18 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
           const uint8_t q = kk < 16 ? block[4 + kk] & 15 : block[4 + kk - 16] >> 4;
           set_nibble(dst + kPanel * 4, kk, c, q);
         }
+      });
+      break;
+    case kQ5_0:
+      // A block: d (fp16), 4 bytes of fifth bits, 16 of nibbles (pack_fives).
+      pack_panels<Q5_0>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* panel) {
+        pack_fives<false>(src + (n * (k_dim / 32) + g) * 22, (int)(n % kPanel), panel + Q5_0::offset(g));
+      });
+      break;
+    case kQ5_1:
+      // Q5_0's block with m (fp16) after d.
+      pack_panels<Q5_1>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* panel) {
+        pack_fives<true>(src + (n * (k_dim / 32) + g) * 24, (int)(n % kPanel), panel + Q5_1::offset(g));
       });
       break;
     case kQ4_K:

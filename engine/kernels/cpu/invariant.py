@@ -26,7 +26,8 @@ class WeightForm(IntEnum):
 
     F32 = 0
     BF16 = 1
-    # GGUF blocks of 32 weights along K: w = d * q (int8 q) and w = d * q + m (4-bit q), d and m fp16.
+    # GGUF blocks of 32 weights along K: w = d * q (int8 q; 5-bit less 16 for Q5_0) and w = d * q + m (4-bit q;
+    # 5-bit for Q5_1), d and m fp16.
     Q8_0 = 2
     Q4_1 = 3
     # GGUF's k-quants, super-blocks of 256 weights along K: w = (d * sc) * q - (dmin * m) (4-bit q, or 5-bit
@@ -35,12 +36,16 @@ class WeightForm(IntEnum):
     Q4_K = 4
     Q6_K = 5
     Q5_K = 6
+    Q5_0 = 7
+    Q5_1 = 8
 
 
 # A GGUF block's weights along K and its bytes, per form.
 BLOCK_WEIGHTS = {
     WeightForm.Q8_0: 32,
     WeightForm.Q4_1: 32,
+    WeightForm.Q5_0: 32,
+    WeightForm.Q5_1: 32,
     WeightForm.Q4_K: 256,
     WeightForm.Q5_K: 256,
     WeightForm.Q6_K: 256,
@@ -48,6 +53,8 @@ BLOCK_WEIGHTS = {
 BLOCK_BYTES = {
     WeightForm.Q8_0: 34,
     WeightForm.Q4_1: 20,
+    WeightForm.Q5_0: 22,
+    WeightForm.Q5_1: 24,
     WeightForm.Q4_K: 144,
     WeightForm.Q5_K: 176,
     WeightForm.Q6_K: 210,
