@@ -13,8 +13,7 @@ from engine.config import EngineConfig, EngineStats
 from engine.future_tokens import FutureTokens
 from engine.images import ImageInput
 from engine.inbox import AbortAll, Inbox, Unpin
-from engine.kv_cache import BlockManager
-from engine.kv_window import WindowedBlockManager, windowed_reach
+from engine.kv_window import block_manager_for
 from engine.model.causal_lm import HeadOutput, PagedCausalLM
 from engine.model.loader import LoadedModel
 from engine.model.runner import ModelRunner
@@ -49,16 +48,7 @@ class Engine:
             )
         self.config = config
         self.token_bytes = loaded.token_bytes
-        max_pinned_blocks = int(config.num_kv_blocks * config.max_pinned_kv_fraction)
-        # A draft model shares the block tables but computes behind the target, and its layers may read further back.
-        window = windowed_reach(loaded.model.family.windows) if draft_model is None else 0
-        self.block_manager = (
-            WindowedBlockManager(
-                config.num_kv_blocks, config.block_size, window, config.enable_prefix_caching, max_pinned_blocks
-            )
-            if window
-            else BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, max_pinned_blocks)
-        )
+        self.block_manager = block_manager_for(config, loaded.model.family.windows, draft=draft_model is not None)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

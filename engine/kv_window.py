@@ -3,6 +3,7 @@ the blocks a request's window has passed."""
 
 from __future__ import annotations
 
+from engine.config import EngineConfig
 from engine.kv_cache import BlockManager, point_released
 from engine.request import Request
 
@@ -85,3 +86,15 @@ class WindowedBlockManager(BlockManager):
 def windowed_reach(windows: tuple[int, ...]) -> int:
     """How far back any layer reads (the widest window) where every layer slides one; 0 where any is global."""
     return max(windows) if windows and all(windows) else 0
+
+
+def block_manager_for(config: EngineConfig, windows: tuple[int, ...], draft: bool) -> BlockManager:
+    """The windowed manager where every layer slides a window, the plain one otherwise, or with a draft model:
+    it shares the block tables but computes behind the target, and its layers may read further back."""
+    max_pinned_blocks = int(config.num_kv_blocks * config.max_pinned_kv_fraction)
+    window = 0 if draft else windowed_reach(windows)
+    if window:
+        return WindowedBlockManager(
+            config.num_kv_blocks, config.block_size, window, config.enable_prefix_caching, max_pinned_blocks
+        )
+    return BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, max_pinned_blocks)

@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-import engine.engine as engine_module
+import engine.kv_window as kv_window_module
 from engine.config import SpeculativeConfig
 from engine.kv_cache import BlockManager
 from engine.kv_window import WindowedBlockManager, windowed_reach
@@ -77,7 +77,7 @@ async def test_a_long_generation_holds_a_window_of_blocks_with_outputs_unchanged
     assert tokens_of(freed) == [token for token, _ in expected]
     assert [lp for _, lp in _tokens_and_logprobs(freed)] == pytest.approx([lp for _, lp in expected], abs=1e-4)
 
-    monkeypatch.setattr(engine_module, "windowed_reach", lambda windows: 0)
+    monkeypatch.setattr(kv_window_module, "windowed_reach", lambda windows: 0)
     kept, most_kept = _watched(loaded)
     assert type(kept.block_manager) is BlockManager
     (unfreed,) = await _generate(kept, [PROMPT], GREEDY)
