@@ -23,20 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, PackedLinear, WeightForm  # noqa: E402
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, PackedLinear, WeightForm  # noqa: E402
 from engine.kernels.cpu.native import bind, load_library, runnable_variants  # noqa: E402
 
 SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
-# Where a GGUF block keeps its fp16 scales: d, and m or dmin after it where it has one (Q6_K: d at its end).
-HALVES = {
-    WeightForm.Q8_0: slice(0, 2),
-    WeightForm.Q4_1: slice(0, 4),
-    WeightForm.Q5_0: slice(0, 2),
-    WeightForm.Q5_1: slice(0, 4),
-    WeightForm.Q4_K: slice(0, 4),
-    WeightForm.Q5_K: slice(0, 4),
-    WeightForm.Q6_K: slice(208, 210),
-}
 
 
 def packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
@@ -47,7 +37,7 @@ def packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_feature
     generator = np.random.default_rng(0)
     count = in_features // BLOCK_WEIGHTS[form]
     blocks = generator.integers(0, 256, (out_features, count, BLOCK_BYTES[form]), dtype=np.uint8)
-    where = HALVES[form]
+    where = SCALE_BYTES[form]
     halves = (where.stop - where.start) // 2
     scales = (generator.standard_normal((out_features, count, halves)) * 0.05).astype(np.float16)
     blocks[..., where] = scales.view(np.uint8)

@@ -5,6 +5,7 @@ a file of an architecture no family serves is refused before it is converted."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import gguf
@@ -18,9 +19,8 @@ from engine.model.loader import load_model
 from engine.tiny import tiny_engine, tiny_hf_model
 from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
-from tests.unit.gguf_files import write_gguf
+from tests.unit.gguf_files import random_blocks, write_gguf
 from tests.unit.helpers import collect, hf_greedy_logprobs
-from tests.unit.test_weight_forms import random_blocks
 
 NEW_TOKENS = 16
 PROMPT = list(range(20, 60))
@@ -83,8 +83,13 @@ async def test_a_k_quant_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
     # random blocks: its own weights, which transformers reads as it reads any.
     model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
     kind = gguf.GGMLQuantizationType[form.name]
+    # A seed per tensor, so tensors of one shape (q and o, gate and up) are not the same blocks.
+    seeds = itertools.count()
     path = write_gguf(
-        model, tmp_path / f"tiny-llama-{form.name}.gguf", kind, lambda data, _: random_blocks(form, *data.shape).numpy()
+        model,
+        tmp_path / f"tiny-llama-{form.name}.gguf",
+        kind,
+        lambda data, _: random_blocks(form, *data.shape, seed=next(seeds)).numpy(),
     )
     loaded, served = await _served(path)
     forms = [packed.form for packed in loaded.model._packed.values()]

@@ -11,8 +11,8 @@ from engine.kernels.cpu.native import choose_variant, load_library, runnable_var
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
 from tests.conftest import CACHE_DIR
+from tests.unit.gguf_files import random_blocks
 from tests.unit.test_decoder import _random_norms
-from tests.unit.test_weight_forms import random_blocks
 
 SHAPES = [(576, 576), (17, 96), (1536, 160), (49152, 64)]
 # The k-quants' super-blocks span 256 weights of K.

@@ -7,7 +7,6 @@ and the scalar variant alike."""
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
@@ -18,6 +17,7 @@ from engine.kernels.cpu.native import load_library
 from engine.model.loader import load_model
 from engine.tiny import tiny_hf_model
 from tests.conftest import CACHE_DIR
+from tests.unit.gguf_files import random_blocks
 
 GGUF_TYPES = {form: GGMLQuantizationType[form.name] for form in BLOCK_BYTES}
 SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
@@ -25,17 +25,6 @@ SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
 FIVE_BIT_SHAPES = [(1536, 576), (577, 1536), (100, 64), (1, 32), (17, 96)]
 # The k-quants' super-blocks span 256 weights of K; N is no multiple of a panel's 16 columns.
 SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)]
-# The fp16 scales' spread: the k-quants' weights then spread about as a tiny model's (0.2), since a model of
-# them (tests/unit/test_gguf.py) would otherwise amplify rounding differences from layer to layer.
-SCALE_SPREAD = {
-    WeightForm.Q8_0: 0.05,
-    WeightForm.Q4_1: 0.05,
-    WeightForm.Q5_0: 0.025,
-    WeightForm.Q5_1: 0.025,
-    WeightForm.Q4_K: 6e-4,
-    WeightForm.Q5_K: 3e-4,
-    WeightForm.Q6_K: 1.5e-4,
-}
 K_QUANTS = (WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K)
 FIVE_BITS = (WeightForm.Q5_0, WeightForm.Q5_1)
 
@@ -45,22 +34,6 @@ def library():
     library = load_library(CACHE_DIR)
     assert library is not None, "these tests run where the kernels do: x86-64 with AVX2"
     return library
-
-
-def random_blocks(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
-    """GGUF blocks of `form` with random fp16 scales (and offsets, or minimums' scales) and every other byte
-    drawn: the quantized values and the k-quants' sub-block scales, any of whose bits are valid."""
-    blocks = out_features * in_features // BLOCK_WEIGHTS[form]
-    generator = np.random.default_rng(out_features * 7919 + in_features)
-    data = generator.integers(0, 256, (blocks, BLOCK_BYTES[form]), dtype=np.uint8)
-    halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[form]).astype(np.float16)
-    # Where each form keeps its fp16 values: d (Q8_0, Q5_0); d, m (Q4_1, Q5_1); d, dmin (Q4_K, Q5_K); d at the
-    # end (Q6_K).
-    where = {WeightForm.Q8_0: slice(0, 2), WeightForm.Q5_0: slice(0, 2), WeightForm.Q6_K: slice(208, 210)}.get(
-        form, slice(0, 4)
-    )
-    data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
-    return torch.from_numpy(data.reshape(out_features, -1).copy())
 
 
 def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> None:

@@ -59,6 +59,17 @@ BLOCK_BYTES = {
     WeightForm.Q5_K: 176,
     WeightForm.Q6_K: 210,
 }
+# Where a GGUF block keeps its fp16 values: d (Q8_0, Q5_0); d then m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); d at its
+# end (Q6_K).
+SCALE_BYTES = {
+    WeightForm.Q8_0: slice(0, 2),
+    WeightForm.Q4_1: slice(0, 4),
+    WeightForm.Q5_0: slice(0, 2),
+    WeightForm.Q5_1: slice(0, 4),
+    WeightForm.Q4_K: slice(0, 4),
+    WeightForm.Q5_K: slice(0, 4),
+    WeightForm.Q6_K: slice(208, 210),
+}
 
 # The KV cache dtypes the attention kernel reads, widening each element exactly (CacheDtype in invariant.h).
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
