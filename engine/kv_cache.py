@@ -128,9 +128,14 @@ class BlockManager:
     def num_blocks_to_admit(self, cached: list[int], num_new_tokens: int) -> int:
         """Free-pool blocks a request holding none takes to start on its `cached` prefix blocks and
         add `num_new_tokens`: fresh blocks past the cached ones, plus the cached ones in the pool."""
-        num_slots = len(cached) * self.block_size + num_new_tokens
-        num_fresh = -(-num_slots // self.block_size) - len(cached)
-        return num_fresh + sum(1 for block_id in cached if block_id in self._free)
+        return self._num_fresh(len(cached), num_new_tokens) + self._num_in_pool(cached)
+
+    def _num_fresh(self, num_cached_blocks: int, num_new_tokens: int) -> int:
+        """Blocks past `num_cached_blocks` cached ones that `num_new_tokens` more tokens fill."""
+        return -(-(num_cached_blocks * self.block_size + num_new_tokens) // self.block_size) - num_cached_blocks
+
+    def _num_in_pool(self, block_ids: list[int]) -> int:
+        return sum(1 for block_id in block_ids if block_id in self._free)
 
     def adopt_prefix(self, request: Request, block_ids: list[int], num_released: int = 0) -> None:
         """Start `request` (holding no blocks) on the cached blocks of its prefix; the first `num_released`

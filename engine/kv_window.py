@@ -56,8 +56,7 @@ class WindowedBlockManager(BlockManager):
     def num_blocks_to_admit(self, cached: list[int], num_new_tokens: int) -> int:
         """As BlockManager's, counting only the cached blocks the request holds (from the first one read)."""
         first = self._first_read(len(cached) * self.block_size)
-        num_fresh = -(-(len(cached) * self.block_size + num_new_tokens) // self.block_size) - len(cached)
-        return num_fresh + sum(1 for block_id in cached[first:] if block_id in self._free)
+        return self._num_fresh(len(cached), num_new_tokens) + self._num_in_pool(cached[first:])
 
     def adopt_prefix(self, request: Request, block_ids: list[int]) -> None:
         """`block_ids` as cached_prefix gives them: the entries before the first block read are not held."""

@@ -101,12 +101,12 @@ class OutputProcessor:
     def end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Latch `status` and send the terminal chunk with whatever output was held back."""
         request.finish(status, error)
+        tail = request.detokenizer.flush()
         if request.reasoning is not None and not request.reasoning.answering:
-            request.pending_reasoning.append(request.detokenizer.flush())
-            # A harmony answer that ended its message before this may still hold a stop string's start.
-            request.pending_text.append(request.stop_matcher.flush())
-        else:
-            request.pending_text += [request.detokenizer.flush(), request.stop_matcher.flush()]
+            request.pending_reasoning.append(tail)
+            tail = ""
+        # A harmony answer that ended its message before a later reasoning may still hold a stop string's start.
+        request.pending_text += [tail, request.stop_matcher.flush()]
         self._push(request)
 
     def _push(self, request: Request) -> None:

@@ -170,12 +170,18 @@ def test_a_model_with_a_global_layer_frees_nothing(default_tokenizer, model_type
     assert type(tiny_engine(loaded).block_manager) is BlockManager
 
 
+def _computed(manager: WindowedBlockManager, num_tokens: int):
+    """A request of `num_tokens` prompt tokens, all computed and registered (its passed blocks released)."""
+    request = make_request(num_tokens)
+    manager.allocate(request, num_tokens)
+    request.num_computed_tokens = num_tokens
+    manager.register(request)
+    return request
+
+
 def test_released_entries_name_the_first_held_block_through_fork_and_deallocate():
     manager = WindowedBlockManager(num_blocks=12, block_size=4, window=4)
-    parent = make_request(14)
-    manager.allocate(parent, 14)
-    parent.num_computed_tokens = 14
-    manager.register(parent)
+    parent = _computed(manager, 14)
     # The next query (at 14) reads keys 11 .. 14, from block 2: block 1 is kept too (for a pin), block 0 goes.
     assert parent.num_released_blocks == 1
     assert parent.block_table[:1] == array("q", [parent.block_table[1]])
@@ -208,10 +214,7 @@ def test_released_entries_name_the_first_held_block_through_fork_and_deallocate(
 
 def test_a_pin_holds_only_the_blocks_still_held():
     manager = WindowedBlockManager(num_blocks=12, block_size=4, window=4, max_pinned_blocks=6)
-    request = make_request(14)
-    manager.allocate(request, 14)
-    request.num_computed_tokens = 14
-    manager.register(request)
+    request = _computed(manager, 14)
     assert manager.pin("k", request, deadline=1e18)
     manager.deallocate(request)
     # Blocks 1 and 2: what the next query reads, and the block before it; block 0 went back to the pool.
@@ -223,10 +226,7 @@ def test_a_pinned_conversation_finds_its_prefix_after_other_traffic_took_its_fir
     """A prefix needs only the blocks its next query reads: the pin's, after its released first block went to
     other requests."""
     manager = WindowedBlockManager(num_blocks=8, block_size=4, window=4, max_pinned_blocks=4)
-    first = make_request(14)
-    manager.allocate(first, 14)
-    first.num_computed_tokens = 14
-    manager.register(first)
+    first = _computed(manager, 14)
     assert manager.pin("k", first, deadline=1e18)
     manager.deallocate(first)
     other = make_request(24, first_token=500)
