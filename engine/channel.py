@@ -19,9 +19,9 @@ class StreamChannel:
 
     Keeps the terminal guarantee: after a choice's terminal chunk nothing more is
     delivered for it, and the reader stops after the last choice's.
-    A reader that falls behind gets its pending chunks merged into one per choice,
-    never dropped or reordered, and the scheduler pauses the request while
-    `unread_tokens` is past its bound.
+    A reader that falls behind gets its pending chunks merged into one per choice (more where
+    a reasoning follows text: see _coalesce), never dropped or reordered, and the scheduler
+    pauses the request while `unread_tokens` is past its bound.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int = 1) -> None:
@@ -106,12 +106,35 @@ class StreamChannel:
 
 
 def _coalesce(chunks: list[Chunk]) -> list[Chunk]:
-    """Chunks a reader fell behind on, merged into one chunk per choice in first-seen order: one new
-    chunk per choice, however many it merges (a lagging reader's loop has no time to spare)."""
+    """Chunks a reader fell behind on, merged per choice in first-seen order: one new chunk per choice,
+    however many it merges (a lagging reader's loop has no time to spare), but where a chunk's reasoning
+    follows text of the merge (a harmony analysis after a preamble), which a merged chunk would show first:
+    that chunk starts the choice's next merge."""
     by_choice: dict[int, list[Chunk]] = {}
     for chunk in chunks:
         by_choice.setdefault(chunk.index, []).append(chunk)
-    return [group[0] if len(group) == 1 else Chunk.joined(group) for group in by_choice.values()]
+    merged: list[Chunk] = []
+    for group in by_choice.values():
+        if len(group) == 1:
+            merged.append(group[0])
+        elif not any(chunk.reasoning for chunk in group):
+            merged.append(Chunk.joined(group))
+        else:
+            merged += [Chunk.joined(run) for run in _runs_in_order(group)]
+    return merged
+
+
+def _runs_in_order(group: list[Chunk]) -> list[list[Chunk]]:
+    """A choice's chunks cut before each one whose reasoning follows text of the run so far."""
+    runs: list[list[Chunk]] = [[]]
+    has_text = False
+    for chunk in group:
+        if chunk.reasoning and has_text:
+            runs.append([])
+            has_text = False
+        runs[-1].append(chunk)
+        has_text = has_text or bool(chunk.text)
+    return runs
 
 
 class Outbox:

@@ -8,6 +8,7 @@ the StreamChannel carries the result across.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from engine.channel import Outbox
 from engine.request import Request, RequestStatus
@@ -16,7 +17,7 @@ from engine.types import Chunk, FinishReason, Timings, TokenLogprob
 
 
 class OutputProcessor:
-    """Turns what each step produced for a request into at most one chunk."""
+    """Turns what each step produced for a request into at most one chunk (two: see emit)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -24,7 +25,8 @@ class OutputProcessor:
 
     def emit(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob]) -> None:
         """Detokenize, cut at a stop string, and push once `stream_interval` tokens are pending
-        or the request has finished. A burst of several tokens goes out as one chunk."""
+        or the request has finished. A burst of several tokens goes out as one chunk (two where answer text
+        comes before a later reasoning's, which a chunk would show first)."""
         if (
             not request.params.stop
             and request.reasoning is None
@@ -42,20 +44,30 @@ class OutputProcessor:
         if request.finish_reason == FinishReason.STOP and self.scheduler.is_stop_token(request, token_ids[-1]):
             # The stop token is counted but neither shown nor scored, like a stop string.
             shown, logprobs = token_ids[:-1], logprobs[: len(token_ids) - 1]
-        thought, held = 0, []
-        if request.reasoning is not None:
-            held, answer = self._think(request, shown)
-            thought, shown = len(shown) - len(answer), answer
-        # With stop strings, one token at a time: a match inside a burst ends it at that token. Answer
-        # tokens the reasoning held from earlier steps come first, as one piece.
-        pieces = [[t] for t in shown] if request.params.stop else [shown]
-        if held:
-            pieces.insert(0, held)
-        released, matched = [], False
-        for count, piece in enumerate(pieces, start=thought + 1 - bool(held)):
-            text, matched = request.stop_matcher.feed(request.detokenizer.decode(piece))
-            released.append(text)
-            if matched:
+        split = request.reasoning
+        was_answering = split is None or split.answering
+        # engine/reasoning.py's Parts, unpacked (a plain tuple where there is no reasoning: every stop string's path).
+        parts: Sequence[tuple[bool, list[int], int]] = (
+            [(False, shown, len(shown))] if split is None else split.feed(shown)
+        )
+        # How many of these tokens went out already, in a chunk ahead of a later reasoning's.
+        taken = 0
+        matched = False
+        for index, (thinking, part_ids, end) in enumerate(parts):
+            if thinking:
+                if any(request.pending_text):
+                    # A chunk's reasoning comes before its text: answer text waiting goes out first, with
+                    # the tokens before this reasoning (a harmony analysis after a preamble).
+                    taken = self._release(request, token_ids, logprobs, taken, end - len(part_ids))
+                request.pending_reasoning.append(request.detokenizer.decode(part_ids))
+                request.num_reasoning_tokens += len(part_ids)
+                continue
+            if index or not was_answering:
+                # A character the reasoning left unfinished is the reasoning's, not the answer's.
+                request.pending_reasoning.append(request.detokenizer.flush())
+            count = self._answer(request, part_ids, end)
+            if count is not None:
+                matched = True
                 if count < len(token_ids):
                     del request.token_ids[count - len(token_ids) :]
                     token_ids, logprobs = token_ids[:count], logprobs[:count]
@@ -64,35 +76,48 @@ class OutputProcessor:
                         # nothing of this step has gone out yet, so the reason is still ours to set.
                         request.status = RequestStatus.FINISHED_STOPPED
                 break
+        if split is not None:
+            if request.is_finished and not split.answering and not matched:
+                request.pending_reasoning.append(request.detokenizer.flush())
+            if split.answering and split.answer_is_final:
+                request.reasoning = None
         if request.is_finished and not matched:
             text, matched = request.stop_matcher.feed(request.detokenizer.flush())
-            released += [text, "" if matched else request.stop_matcher.flush()]
+            request.pending_text += [text, "" if matched else request.stop_matcher.flush()]
         if matched:
             request.finish(RequestStatus.FINISHED_STOPPED)
             self.scheduler.free(request)
-        request.pending_token_ids += token_ids
-        request.pending_text += released
-        request.pending_logprobs += logprobs
+        request.pending_token_ids += token_ids[taken:] if taken else token_ids
+        request.pending_logprobs += logprobs[taken:] if taken else logprobs
         if request.is_finished or len(request.pending_token_ids) >= request.params.stream_interval:
             self._push(request)
 
-    def _think(self, request: Request, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Take the reasoning's part of these tokens (they lead the list) into its own text, unseen by
-        stop strings; returns the answer's tokens: those the reasoning held from earlier steps (a harmony
-        header's), and these tokens' last ones. The tags' text is not shown."""
-        split = request.reasoning
-        was_answering = split.answering
-        thinking, held, answer = split.feed(token_ids)
-        text = request.detokenizer.decode(thinking) if thinking else ""
-        if not was_answering and (split.answering or request.is_finished):
-            # A character the reasoning left unfinished is the reasoning's, not the answer's (whose own
-            # unfinished one, in a harmony answer that goes on, stays in the decoder).
-            text += request.detokenizer.flush()
-        if split.answering and split.answer_is_final:
-            request.reasoning = None
-        request.pending_reasoning.append(text)
-        request.num_reasoning_tokens += len(thinking)
-        return held, answer
+    @staticmethod
+    def _answer(request: Request, token_ids: list[int], end: int) -> int | None:
+        """Detokenize an answer's Part (its tokens, ending at `end` of the call's) into the pending text, cut
+        at a stop string (unseen by the reasoning); returns how many of the call's tokens come up to the
+        match, None without one. With stop strings, one token at a time: a match inside a burst ends it at
+        that token."""
+        if not request.params.stop:
+            request.pending_text.append(request.detokenizer.decode(token_ids))
+            return None
+        # The Part's first tokens may be a header held from earlier calls: they count as none of this call's.
+        first = end - len(token_ids)
+        for offset, token_id in enumerate(token_ids, start=1):
+            text, matched = request.stop_matcher.feed(request.detokenizer.decode([token_id]))
+            request.pending_text.append(text)
+            if matched:
+                return max(0, first + offset)
+        return None
+
+    def _release(
+        self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob], taken: int, upto: int
+    ) -> int:
+        """Push what is pending with this call's tokens [taken, upto); returns `upto`, now taken."""
+        request.pending_token_ids += token_ids[taken:upto]
+        request.pending_logprobs += logprobs[taken:upto]
+        self._push(request, terminal=False)
+        return upto
 
     def flush(self) -> None:
         """Deliver every chunk staged since the last flush (once per step)."""
@@ -109,8 +134,10 @@ class OutputProcessor:
         request.pending_text += [tail, request.stop_matcher.flush()]
         self._push(request)
 
-    def _push(self, request: Request) -> None:
-        """Send what is pending as one chunk; the terminal one carries the timings."""
+    def _push(self, request: Request, terminal: bool = True) -> None:
+        """Send what is pending as one chunk; a finished request's (unless not `terminal`: more of its
+        output follows) ends the stream and carries the timings."""
+        terminal = terminal and request.is_finished
         self.outbox.stage(
             request.channel,
             Chunk(
@@ -118,9 +145,9 @@ class OutputProcessor:
                 text="".join(request.pending_text),
                 index=request.index,
                 logprobs=tuple(request.pending_logprobs),
-                finish_reason=request.finish_reason,
-                error=request.error,
-                timings=self._timings(request) if request.is_finished else None,
+                finish_reason=request.finish_reason if terminal else None,
+                error=request.error if terminal else None,
+                timings=self._timings(request) if terminal else None,
                 reasoning="".join(request.pending_reasoning),
             ),
         )

@@ -13,12 +13,15 @@ Harmony's channels (gpt-oss, ChannelSplit; engine/harmony.py):
                                                                                  <|start|>assistant<|channel|>final...
 
 The output processor (what the client reads) and the grammar (what the answer must match) each
-follow the output with one of these, token by token, so both cut it at the same token.
+follow the output with one of these, token by token, so both cut it at the same token. A call of
+`feed` takes any number of tokens (a speculative burst, a grammar's jump-forward) and returns what
+token-at-a-time calls would have: its thinking and answer as Parts, in the output's order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from engine.types import ChannelReasoning, Reasoning
 
@@ -26,8 +29,20 @@ from engine.types import ChannelReasoning, Reasoning
 # longer without `<|message|>` is not writing one, and is answer from where the header began.
 _MAX_HEADER_TOKENS = 64
 
-# What feed returns: (the thinking tokens, answer tokens held from earlier calls, this call's answer tokens).
-Fed = tuple[list[int], list[int], list[int]]
+
+class Part(NamedTuple):
+    """A run of output tokens that is all thinking or all answer, from one call of feed. A NamedTuple, as
+    engine/types.py's Chunk is, for its cheap construction: the output processor makes one a token.
+
+    call's tokens:          [ t0 t1 t2 t3 t4 t5 ]
+    an answer Part:   h0 h1  t0 t1 t2              end = 3
+                      ^ a header's tokens held from earlier calls lead it (no more than one Part's)
+    """
+
+    thinking: bool
+    token_ids: list[int]
+    # How many of the call's tokens come up to the Part's end: where a stop string found in it cuts the call.
+    end: int
 
 
 class ReasoningSplit:
@@ -46,9 +61,9 @@ class ReasoningSplit:
     def answering(self) -> bool:
         return not self.at_start and not self.thinking
 
-    def feed(self, token_ids: Sequence[int]) -> Fed:
-        """The next output tokens → (the thinking tokens among them, [], the answer's: the tokens after
-        the reasoning and its tags)."""
+    def feed(self, token_ids: Sequence[int]) -> list[Part]:
+        """The next output tokens → the thinking among them, then (once the answer has begun, even with
+        no token yet) the answer's: the tokens after the reasoning and its tags."""
         thinking: list[int] = []
         for position, token_id in enumerate(token_ids):
             if self.at_start:
@@ -57,22 +72,21 @@ class ReasoningSplit:
                     self.thinking = True
                     continue
             if not self.thinking:
-                return thinking, [], list(token_ids[position:])
+                return [Part(False, list(token_ids[position:]), len(token_ids))]
             if token_id == self.spec.end_token_id:
                 self.thinking = False
-                return thinking, [], list(token_ids[position + 1 :])
+                answer = Part(False, list(token_ids[position + 1 :]), len(token_ids))
+                return [Part(True, thinking, position), answer] if thinking else [answer]
             thinking.append(token_id)
-        return thinking, [], []
+        return [Part(True, thinking, len(token_ids))] if thinking else []
 
 
 class ChannelSplit:
     """Follows one choice's harmony output: its analysis messages are thinking, any other message (its header
-    included) is answer. A header's tokens are held until its `<|message|>` (or until it is too long to be
-    one). An answer's message that ends (`<|end|>`) as the last token of a call makes the next call read a
-    header again, so a later analysis message (after a preamble, say) is thinking too; an end inside a
-    burst of tokens (speculation) leaves the rest of the burst answer, since the answer's tokens must be
-    the last of a call (the output processor cuts stop strings by position), and the text's parser then
-    drops such a message as before."""
+    included) is answer, and the headers and ends of analysis messages are neither. A header's tokens are
+    held until its `<|message|>` (or until it is too long to be one), across calls. After an answer's
+    message ends (`<|end|>`) the next header is read again, so a later analysis message (after a preamble,
+    say) is thinking too, wherever the calls' bounds fall."""
 
     answer_is_final = False
 
@@ -89,35 +103,46 @@ class ChannelSplit:
         """Whether the output is still between messages (nothing of a header read yet)."""
         return not self.answering and not self.thinking and not self._header
 
-    def feed(self, token_ids: Sequence[int]) -> Fed:
-        """The next output tokens → (the thinking tokens among them, the answer's header tokens held from
-        earlier calls, this call's answer tokens)."""
-        if self.answering:
-            if token_ids and token_ids[-1] == self.spec.end_token_id:
-                self.answering = False
-            return [], [], list(token_ids)
-        thinking: list[int] = []
+    def feed(self, token_ids: Sequence[int]) -> list[Part]:
+        """The next output tokens → their thinking and answer Parts in order; an answer's first Part may
+        begin with its header's tokens held from earlier calls."""
+        end_token_id, message_token_id = self.spec.end_token_id, self.spec.message_token_id
+        parts: list[Part] = []
         self._held = len(self._header)
+        # Where the run being read began in this call (an answer's may reach back: its held header).
+        start = 0
         for position, token_id in enumerate(token_ids):
+            if self.answering:
+                if token_id == end_token_id:
+                    self.answering = False
+                    parts.append(self._answer(token_ids, start, position + 1))
+                continue
             if self.thinking:
-                if token_id == self.spec.end_token_id:
+                if token_id == end_token_id:
                     self.thinking = False
-                else:
-                    thinking.append(token_id)
+                    if position > start:
+                        parts.append(Part(True, list(token_ids[start:position]), position))
                 continue
             self._header.append(token_id)
-            ends = token_id == self.spec.message_token_id
+            ends = token_id == message_token_id
             if ends and self._is_reasoning(self._header):
                 self.thinking = True
                 self._header, self._held = [], 0
+                start = position + 1
             elif ends or len(self._header) > _MAX_HEADER_TOKENS:
-                # The header's tokens from this call start here; the answer is they and all after them.
+                # The answer is the header (its tokens from this call start here) and all after it.
                 start = position + 1 - (len(self._header) - self._held)
-                held, self._header = self._header[: self._held], []
-                answer = list(token_ids[start:])
-                self.answering = answer[-1] != self.spec.end_token_id
-                return thinking, held, answer
-        return thinking, [], []
+                self.answering = True
+        if self.answering:
+            parts.append(self._answer(token_ids, start, len(token_ids)))
+        elif self.thinking and len(token_ids) > start:
+            parts.append(Part(True, list(token_ids[start:]), len(token_ids)))
+        return parts
+
+    def _answer(self, token_ids: Sequence[int], start: int, end: int) -> Part:
+        """The answer's run [start, end) of this call, led by its header's tokens from earlier calls."""
+        held, self._header, self._held = self._header[: self._held], [], 0
+        return Part(False, held + list(token_ids[start:end]), end)
 
     def _is_reasoning(self, header: list[int]) -> bool:
         tail = self.spec.reasoning_header

@@ -1,17 +1,17 @@
 """The harmony format (gpt-oss) on the wire: its output's text back into OpenAI's content and
 `tool_calls`, whole or as stream deltas, and the grammar that holds an output to it.
 
-The engine shows the format's syntax tokens in the text (engine/harmony.py) and splits the leading
-analysis messages off as reasoning (engine/reasoning.py), so the text read here is the answer's messages:
+The engine shows the format's syntax tokens in the text (engine/harmony.py) and splits the analysis
+messages off as reasoning (engine/reasoning.py), so the text read here is the answer's messages:
 
     <|start|>assistant<|channel|>final<|message|>The answer
     <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}
 
 (without `<|start|>assistant` where no analysis came first: the generation prompt ends with it). A
 message to `functions.NAME` is a call of NAME, its body the arguments; a `final` message's body, or a
-`commentary` one's without a recipient (a preamble), is content; a later `analysis` message is dropped
-(the reasoning the engine splits off is the leading one). `<|call|>` and `<|return|>` end the output
-(they are the model's end-of-sequence tokens) and never show.
+`commentary` one's without a recipient (a preamble), is content; an `analysis` message is dropped (one
+reaches the text only where the engine does not split the reasoning off). `<|call|>` and `<|return|>`
+end the output (they are the model's end-of-sequence tokens) and never show.
 """
 
 from __future__ import annotations

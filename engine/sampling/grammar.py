@@ -63,11 +63,11 @@ class Constraint:
         """Accept the tokens the request kept; False if the grammar refused one (its matcher
         failed: the masks never allow such a token otherwise)."""
         if self.reasoning is not None:
-            _, held, answer = self.reasoning.feed(token_ids)
+            parts = self.reasoning.feed(token_ids)
             if not self.reasoning.answering:
                 return True
             self.reasoning = None
-            token_ids = held + answer
+            token_ids = parts[-1].token_ids
         return self.matcher.consume_tokens(token_ids)
 
     def forced(self) -> list[int]:

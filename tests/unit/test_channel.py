@@ -88,3 +88,26 @@ async def test_a_step_delivered_through_the_outbox_keeps_each_streams_order():
     results = await asyncio.gather(*readers)
     assert [t.taken for t in takers] == [[0, 1, 2], [], [0, 1, 2]]
     assert [[c.token_ids for c in r] for r in results] == [[(3,)], [(0,), (1,), (2,), (3,)], [(3,)]]
+
+
+async def test_a_lagging_reader_gets_one_chunk_per_choice_but_no_reasoning_behind_text():
+    """A chunk shows its reasoning before its text, so merging a reasoning that came after text (a harmony
+    analysis after a preamble) into that text's chunk would reorder them: the merge starts again there."""
+    channel = StreamChannel(asyncio.get_running_loop(), num_choices=2)
+    delivered = [
+        Chunk((1,), "", reasoning="think "),
+        Chunk((2,), "pre"),
+        Chunk((9,), "other", index=1, finish_reason=FinishReason.LENGTH),
+        Chunk((3,), "amble"),
+        Chunk((4,), "", reasoning="again"),
+        Chunk((5,), "answer", reasoning="!", finish_reason=FinishReason.STOP),
+    ]
+    for c in delivered:
+        channel.accept(c)
+        channel.deliver(c)
+    read = await read_all(channel)
+    assert [(c.index, c.token_ids, c.reasoning, c.text, c.is_terminal) for c in read] == [
+        (0, (1, 2, 3), "think ", "preamble", False),
+        (0, (4, 5), "again!", "answer", True),
+        (1, (9,), "", "other", True),
+    ]

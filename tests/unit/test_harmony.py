@@ -6,6 +6,7 @@ content."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -15,9 +16,17 @@ import pytest
 from app.serving.harmony import HarmonyChannels, HarmonyParser, grammar, is_harmony
 from app.serving.output_format import HARMONY, HERMES, output_format
 from app.serving.reasoning import reasoning_parser
+from app.serving.streaming import DONE, CompletionRenderer
 from app.serving.tools import ArgumentsDelta, CallStarted, Content, Function, ToolUse
 from app.sse_reader import parse_events
+from engine.channel import StreamChannel
+from engine.config import SpeculativeConfig
+from engine.detokenizer import IncrementalDetokenizer, StopMatcher, TokenBytes
+from engine.kv_cache import BlockManager
+from engine.output import OutputProcessor
+from engine.request import Request
 from engine.sampling.grammar import GrammarCompiler
+from engine.scheduler import Scheduler
 from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded
 from engine.types import GrammarSpec, SamplingParams
 from tests.conftest import CACHE_DIR
@@ -152,12 +161,12 @@ async def test_the_engine_splits_the_analysis_off_and_the_answer_keeps_its_heade
     assert chunks[-1].timings.reasoning_tokens == len(tokenizer.encode("Two plus two.", add_special_tokens=False))
 
 
-@pytest.mark.parametrize("jump_forward", [False, True], ids=["token-by-token", "in-a-burst"])
-async def test_a_later_analysis_message_is_reasoning_too(tokenizer, jump_forward):
-    """Analysis, a preamble, analysis again, the final message: decoded a token a step, both analyses are
-    reasoning, in order, and the answer keeps both of its messages (the second analysis's header and end are
-    neither). Forced in one burst (the grammar's jump-forward), the answer's end comes inside the burst, and
-    the later analysis stays in the answer's text, which the parser drops as before."""
+@pytest.mark.parametrize("bursts", [None, "jump-forward", "speculation"], ids=["token-by-token", "jump", "spec"])
+async def test_a_later_analysis_message_is_reasoning_too(tokenizer, bursts):
+    """Analysis, a preamble, analysis again, the final message: decoded a token a step, forced in one burst
+    (the grammar's jump-forward, the preamble's end inside it) or in bursts a speculation's proposals make
+    (n-grams of a prompt that holds the same output), both analyses are reasoning, in order, and the answer
+    keeps both of its messages (the second analysis's header and end are neither)."""
     loaded = tiny_loaded(tokenizer, "gpt_oss", vocab_size=len(tokenizer), kernels_cache=CACHE_DIR)
     forced = GrammarSpec(
         "grammar",
@@ -166,22 +175,22 @@ async def test_a_later_analysis_message_is_reasoning_too(tokenizer, jump_forward
         ' <|message|> "Still four." <|end|> <|start|> "assistant" <|channel|> "final" <|message|> "Four."',
     )
     reasoning = HarmonyChannels.of(tokenizer).for_prompt([])
-    engine = tiny_engine(loaded, jump_forward=jump_forward)
-    engine.start()
-    try:
-        params = SamplingParams(max_tokens=60, temperature=0.0, grammar=forced, reasoning=reasoning, stop=("Five",))
-        chunks = await collect(engine, tokenizer.encode("<|start|>assistant", add_special_tokens=False), params)
-    finally:
-        engine.shutdown()
+    speculative = SpeculativeConfig("ngram", num_tokens=8) if bursts == "speculation" else None
+    engine = tiny_engine(loaded, jump_forward=bursts == "jump-forward", speculative=speculative)
     preamble = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
     later = "<|start|>assistant<|channel|>analysis<|message|>Still four.<|end|>"
     final = "<|start|>assistant<|channel|>final<|message|>Four."
+    written = "<|channel|>analysis<|message|>Two plus two.<|end|>" + preamble + later + final
+    prompt = tokenizer.encode((written if speculative else "") + "<|start|>assistant", add_special_tokens=False)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0.0, grammar=forced, reasoning=reasoning, stop=("Five",))
+        chunks = await collect(engine, prompt, params)
+    finally:
+        engine.shutdown()
+    assert max(len(c.token_ids) for c in chunks) > 1 if bursts else all(len(c.token_ids) == 1 for c in chunks)
     text = "".join(c.text for c in chunks)
     assert parse([text])[0] == "Let me check.Four."
-    if jump_forward:
-        assert "".join(c.reasoning for c in chunks) == "Two plus two."
-        assert text == preamble + later + final
-        return
     assert "".join(c.reasoning for c in chunks) == "Two plus two.Still four."
     assert text == preamble + final
     # The later reasoning comes after the preamble's text, as the model wrote it.
@@ -189,6 +198,124 @@ async def test_a_later_analysis_message_is_reasoning_too(tokenizer, jump_forward
     assert "check" in "".join(c.text for c in chunks[:first_later])
     thought = len(tokenizer.encode("Two plus two.Still four.", add_special_tokens=False))
     assert chunks[-1].timings.reasoning_tokens == thought
+
+
+# Analysis, a preamble, analysis again, then the answer: a final message or a call (each with its end of sequence).
+THOUGHT = "<|channel|>analysis<|message|>Two plus two is four, café.<|end|>"
+PREAMBLE = "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
+LATER = "<|start|>assistant<|channel|>analysis<|message|>Still four — naïve.<|end|>"
+ANSWERS = {
+    "final": "<|start|>assistant<|channel|>final<|message|>It is <b>four</b>.<|return|>",
+    "call": "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city":"Paris"}<|call|>',
+}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_token_bytes(tokenizer) -> TokenBytes:
+    """The tiny gpt-oss's token bytes, its syntax tokens shown."""
+    return tiny_loaded(tokenizer, "gpt_oss", vocab_size=len(tokenizer), kernels_cache=CACHE_DIR).token_bytes
+
+
+async def _chat_of_bursts(tokenizer, token_bytes: TokenBytes, token_ids: list[int], size: int, stop, stream: bool):
+    """The chat response (its SSE payloads, or the fold) to an output of `token_ids` whose steps keep `size`
+    tokens each (as speculation's or jump-forward's bursts), through the scheduler, the output processor and
+    the renderer; the reader reads between steps or lags behind, as it happens."""
+    eos = frozenset(tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"]))
+    scheduler = Scheduler(BlockManager(64, 16), 1, 1024, 1024, eos)
+    output = OutputProcessor(scheduler)
+    reasoning = HarmonyChannels.of(tokenizer).for_prompt([])
+    params = SamplingParams(max_tokens=len(token_ids), temperature=0.0, stop=stop, reasoning=reasoning)
+    prompt = tokenizer.encode("<|start|>assistant", add_special_tokens=False)
+    channel = StreamChannel(asyncio.get_running_loop())
+    renderer = CompletionRenderer(
+        "chat",
+        "gpt-oss",
+        len(prompt),
+        1,
+        False,
+        True,
+        channel,
+        token_bytes,
+        parser=HarmonyParser,
+        splits_reasoning=True,
+    )
+    request = Request("r", prompt, params, channel, IncrementalDetokenizer(token_bytes), StopMatcher(stop))
+    scheduler.add(request)
+    reader = asyncio.create_task(_payloads(renderer) if stream else renderer.fold())
+    for step in range(0, len(token_ids), size):
+        plan = scheduler.schedule()
+        for kept, kept_ids in scheduler.postprocess(plan, {request: token_ids[step : step + size]}):
+            output.emit(kept, kept_ids, [])
+        output.flush()
+        if request.is_finished:
+            break
+        await asyncio.sleep(0)
+    return await reader
+
+
+async def _payloads(renderer: CompletionRenderer) -> list[dict]:
+    return [json.loads(payload) for payload in [p async for p in renderer.events()] if payload != DONE]
+
+
+def _in_order(payloads: list[dict]) -> list[tuple[str, str]]:
+    """The stream's deltas as (what, text) in order, a run of one kind as one: reasoning, content, a call's
+    name, its arguments. A call's id is left out (each response draws its own)."""
+    runs: list[tuple[str, str]] = []
+    for payload in payloads:
+        for choice in payload["choices"]:
+            delta = choice["delta"]
+            call = (delta.get("tool_calls") or [{}])[0].get("function", {})
+            for kind, text in [
+                ("reasoning", delta.get("reasoning_content")),
+                ("content", delta.get("content")),
+                ("name", call.get("name")),
+                ("arguments", call.get("arguments")),
+                ("finish", choice.get("finish_reason")),
+            ]:
+                if not text:
+                    continue
+                if runs and runs[-1][0] == kind:
+                    runs[-1] = (kind, runs[-1][1] + text)
+                else:
+                    runs.append((kind, text))
+    return runs + [("usage", json.dumps(p["usage"])) for p in payloads if p.get("usage")]
+
+
+@pytest.mark.parametrize("stop", [(), ("four",)], ids=["no-stop", "stop"])
+@pytest.mark.parametrize("answer", ANSWERS)
+async def test_bursts_of_any_size_give_what_a_token_a_step_gives(tokenizer, gpt_oss_token_bytes, answer, stop):
+    """The same output kept a token a step, in bursts of 2, 3 and 7, and whole (the preamble's end inside a
+    burst, a later analysis after it): the same content, reasoning, calls and usage, and the stream's deltas
+    of each kind in the same order. A stop string that the reasoning holds never cuts it; the final message's
+    cuts it."""
+    token_ids = tokenizer.encode(THOUGHT + PREAMBLE + LATER + ANSWERS[answer], add_special_tokens=False)
+    streamed, folded = {}, {}
+    for size in (1, 2, 3, 7, len(token_ids)):
+        streamed[size] = _in_order(
+            await _chat_of_bursts(tokenizer, gpt_oss_token_bytes, token_ids, size, stop, stream=True)
+        )
+        response = await _chat_of_bursts(tokenizer, gpt_oss_token_bytes, token_ids, size, stop, stream=False)
+        call_ids = {"message": {"tool_calls": {"__all__": {"id"}}}}
+        folded[size] = [choice.model_dump(exclude=call_ids) for choice in response.choices]
+        folded[size].append(response.usage.model_dump())
+    assert all(streamed[size] == streamed[1] for size in streamed), streamed
+    assert all(folded[size] == folded[1] for size in folded), folded
+    [choice, usage] = folded[1]
+    message = choice["message"]
+    assert message["reasoning_content"] == "Two plus two is four, café.Still four — naïve."
+    thought = tokenizer.encode("Two plus two is four, café.Still four — naïve.", add_special_tokens=False)
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == len(thought)
+    if answer == "call":
+        assert message["content"] == "Let me check." and choice["finish_reason"] == "tool_calls"
+        [call] = message["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+    else:
+        assert message["content"] == ("Let me check.It is <b>" if stop else "Let me check.It is <b>four</b>.")
+        assert choice["finish_reason"] == "stop"
+    # The later reasoning comes between the preamble and the answer, as the model wrote them.
+    kinds = [kind for kind, _ in streamed[1]]
+    assert kinds[:3] == ["reasoning", "content", "reasoning"]
 
 
 @pytest.fixture(scope="module")

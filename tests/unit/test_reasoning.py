@@ -10,7 +10,7 @@ import pytest
 
 from app.serving.reasoning import ThinkTags, reasoning_parser
 from engine.config import SpeculativeConfig
-from engine.reasoning import ReasoningSplit, split_of
+from engine.reasoning import Part, ReasoningSplit, split_of
 from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import ChannelReasoning, FinishReason, GrammarSpec, Reasoning, SamplingParams
 from tests.unit.helpers import collect, thinking_tokenizer, tokens_of
@@ -26,13 +26,14 @@ def split_in_pieces(
     bounds = [0, *cuts, len(token_ids)]
     for begin, end in zip(bounds, bounds[1:]):
         piece = token_ids[begin:end]
-        if split.answering:
-            answer += piece
-            continue
-        thought, held, now = split.feed(piece)
-        assert set(now) <= set(piece) and not (held and not split.answering)
-        thinking += thought
-        answer += held + now
+        parts = split.feed(piece)
+        ends = [part.end for part in parts]
+        assert ends == sorted(ends) and all(0 <= end <= len(piece) for end in ends)
+        for part in parts:
+            # A part ends where it says in this piece; only an answer's first may reach back (a held header).
+            mine = min(len(part.token_ids), part.end)
+            assert part.token_ids[len(part.token_ids) - mine :] == piece[part.end - mine : part.end]
+            (thinking if part.thinking else answer).extend(part.token_ids)
     return thinking, answer
 
 
@@ -96,6 +97,20 @@ ANSWER_HEADER = [H_START, ASSISTANT, CHANNEL, FINAL, MESSAGE]
         # Cut while thinking, or inside the header after it: all thinking, the header unshown.
         ([CHANNEL, ANALYSIS, MESSAGE, 5, 6], [5, 6], []),
         ([CHANNEL, ANALYSIS, MESSAGE, 5, H_END, H_START, ASSISTANT], [5], []),
+        # A preamble, then analysis again, then the final message: the later analysis is thinking too.
+        (
+            [CHANNEL, FINAL, MESSAGE, 7, H_END, H_START, ASSISTANT, CHANNEL, ANALYSIS, MESSAGE, 5, H_END]
+            + [*ANSWER_HEADER, 8],
+            [5],
+            [CHANNEL, FINAL, MESSAGE, 7, H_END, *ANSWER_HEADER, 8],
+        ),
+        # Analysis, a preamble, analysis twice more with an empty one between, cut while thinking.
+        (
+            [CHANNEL, ANALYSIS, MESSAGE, 5, H_END, *ANSWER_HEADER, 7, H_END, H_START, CHANNEL, ANALYSIS, MESSAGE]
+            + [H_END, CHANNEL, ANALYSIS, MESSAGE, 6, 9],
+            [5, 6, 9],
+            [*ANSWER_HEADER, 7, H_END],
+        ),
         # An "analysis" that is not the header's end does not make it analysis.
         ([CHANNEL, ANALYSIS, 9, MESSAGE, 7], [], [CHANNEL, ANALYSIS, 9, MESSAGE, 7]),
     ],
@@ -107,16 +122,16 @@ def test_harmony_s_analysis_is_split_off_however_the_tokens_are_cut(tokens, thin
 
 def test_text_that_never_makes_a_harmony_header_is_answer_once_too_long_for_one():
     split = split_of(HARMONY)
-    assert split.feed([7] * 64) == ([], [], []) and not split.answering
-    assert split.feed([8, 9]) == ([], [7] * 64, [8, 9]) and split.answering
+    assert split.feed([7] * 64) == [] and not split.answering
+    assert split.feed([8, 9]) == [Part(False, [7] * 64 + [8, 9], 2)] and split.answering
 
 
 def test_answering_begins_after_the_end_tag_or_at_once_without_reasoning():
     split = ReasoningSplit(Reasoning(START, END, open_at_start=False))
-    assert not split.answering and split.feed([START, 5]) == ([5], [], []) and not split.answering
-    assert split.feed([6, END, 7]) == ([6], [], [7]) and split.answering
+    assert not split.answering and split.feed([START, 5]) == [Part(True, [5], 2)] and not split.answering
+    assert split.feed([6, END, 7]) == [Part(True, [6], 1), Part(False, [7], 3)] and split.answering
     plain = ReasoningSplit(Reasoning(START, END, open_at_start=False))
-    assert plain.feed([9, 10]) == ([], [], [9, 10]) and plain.answering
+    assert plain.feed([9, 10]) == [Part(False, [9, 10], 2)] and plain.answering
 
 
 def test_auto_reads_think_tags_where_the_template_writes_them(default_tokenizer):
