@@ -48,7 +48,8 @@ class Engine:
             )
         self.config = config
         self.token_bytes = loaded.token_bytes
-        self.block_manager = block_manager_for(config, loaded.model.family.windows, draft=draft_model is not None)
+        draft_windows = draft_model.windows if draft_model is not None else None
+        self.block_manager = block_manager_for(config, loaded.model.windows, draft_windows)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -155,6 +155,11 @@ class PagedCausalLM:
         """Whether a token's logits depend on its own request alone, whatever shares its step."""
         return self.kernels is not None or bool(self._norms)
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The sliding window of each layer this model runs (0: global); a self-draft runs the first."""
+        return self.family.windows[: self.num_layers]
+
     def first_layers(self, num_layers: int) -> PagedCausalLM:
         """A self-draft: the same embeddings, final norm and head over only the first layers
         (an early exit). Shares every weight with this model."""

@@ -1,5 +1,6 @@
 """A model whose every layer slides a window hands back the blocks no future query reads
-(engine/kv_window.py): a long generation holds a window's worth of blocks, with outputs unchanged."""
+(engine/kv_window.py): a long generation holds a window's worth of blocks, with outputs unchanged; with a
+draft model whose every layer slides too, the blocks neither model reads."""
 
 import asyncio
 from array import array
@@ -9,7 +10,7 @@ import pytest
 import engine.kv_window as kv_window_module
 from engine.config import SpeculativeConfig
 from engine.kv_cache import BlockManager
-from engine.kv_window import WindowedBlockManager, windowed_reach
+from engine.kv_window import DraftWindowedBlockManager, WindowedBlockManager, windowed_reach
 from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded
 from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
@@ -156,11 +157,97 @@ async def test_ngram_speculation_stays_lossless(default_tokenizer):
     assert most[0] <= MOST_HELD
 
 
-async def test_a_draft_model_keeps_every_block(default_tokenizer):
+# A draft model of its own whose window reaches further back than the target's: what it reads governs.
+DRAFT_WINDOW, NUM_PROPOSED = 12, 3
+# The draft's next query trails the target's by up to a verification's tokens, and a step's allocation reaches
+# the proposals past the new tokens.
+MOST_HELD_DRAFTED = -(-(DRAFT_WINDOW + NUM_PROPOSED + 1 + BUDGET + NUM_PROPOSED) // BLOCK) + 2
+
+
+def _draft(tokenizer, loaded, kind):
+    """The draft model: the target's first layer (a self-draft), a model of its own whose every layer slides
+    (the target's weights under a wider window: it proposes what the target mostly keeps), or a Llama (global
+    layers)."""
+    if kind == "self":
+        return loaded.model.first_layers(1)
+    if kind == "sliding":
+        hf = tiny_hf_model("mistral", sliding_window=DRAFT_WINDOW)
+    else:
+        hf = tiny_hf_model("llama")
+    return tiny_loaded(tokenizer, hf_model=hf, kernels_cache=CACHE_DIR).model
+
+
+@pytest.mark.parametrize("kind", ["self", "sliding"])
+async def test_a_sliding_draft_frees_what_neither_model_reads_with_outputs_unchanged(
+    default_tokenizer, monkeypatch, kind
+):
+    """Speculation with a draft model that slides too: the blocks held stay bounded through accepted and
+    rolled-back proposals, a prefix found again, and n choices; the outputs are those of the same draft without
+    freeing, bit for bit, and the tokens those of no speculation. The draft proposes what it proposes without
+    freeing (the same acceptance): it never read a block handed back (the verification would hide that in the
+    outputs)."""
     loaded = _loaded(default_tokenizer)
-    draft = SpeculativeConfig("draft", num_tokens=3, max_batch_size=16)
-    engine = tiny_engine(loaded, draft_model=loaded.model.first_layers(1), speculative=draft)
+    draft = _draft(default_tokenizer, loaded, kind)
+    speculative = SpeculativeConfig("draft", num_tokens=NUM_PROPOSED, max_batch_size=16)
+    prompts = [PROMPT, list(range(100, 117)), PROMPT]
+    (plain, other_plain, _) = await _generate(_watched(loaded)[0], prompts, GREEDY)
+    engine, most = _watched(loaded, draft_model=draft, speculative=speculative)
+    assert type(engine.block_manager) is DraftWindowedBlockManager
+    freed = await _generate(engine, prompts, GREEDY)
+    stats = engine.speculation
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0, "proposals accepted, and some rolled back"
+    assert most[0] <= MOST_HELD_DRAFTED < -(-(len(PROMPT) + NEW_TOKENS - 1) // BLOCK)
+    assert engine.block_manager.num_prefix_hits >= (len(PROMPT) - 1) // BLOCK * BLOCK
+    assert engine.block_manager.num_used == 0
+    assert [tokens_of(c) for c in freed] == [tokens_of(plain), tokens_of(other_plain), tokens_of(plain)]
+
+    (choices,) = await _generate(
+        _watched(loaded, draft_model=draft, speculative=speculative)[0],
+        [PROMPT],
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, n=2),
+    )
+    assert [t for c in choices if c.index == 1 for t in c.token_ids] == tokens_of(plain)
+
+    monkeypatch.setattr(kv_window_module, "windowed_reach", lambda windows: 0)
+    kept, most_kept = _watched(loaded, draft_model=draft, speculative=speculative)
+    assert type(kept.block_manager) is BlockManager
+    unfreed = await _generate(kept, prompts, GREEDY)
+    assert most_kept[0] > MOST_HELD_DRAFTED
+    assert [_tokens_and_logprobs(c) for c in freed] == [_tokens_and_logprobs(c) for c in unfreed]
+    assert (kept.speculation.num_draft_tokens, kept.speculation.num_accepted_tokens) == (
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
+
+
+def test_a_draft_with_a_global_layer_keeps_every_block(default_tokenizer):
+    loaded = _loaded(default_tokenizer)
+    draft = SpeculativeConfig("draft", num_tokens=NUM_PROPOSED, max_batch_size=16)
+    engine = tiny_engine(loaded, draft_model=_draft(default_tokenizer, loaded, "global"), speculative=draft)
     assert type(engine.block_manager) is BlockManager
+
+
+def test_a_draft_s_lag_holds_the_blocks_it_reads_next():
+    manager = DraftWindowedBlockManager(num_blocks=16, block_size=4, window=4, draft_window=6)
+    request = make_request(30)
+    manager.allocate(request, 30)
+    request.num_computed_tokens = 30
+    # The draft has not run: it reads every block when it does.
+    manager.register(request)
+    assert request.num_released_blocks == 0
+    # The draft's next query at 21 reads keys 16 .. 21, from block 4; the target alone would release 5 blocks.
+    request.num_draft_computed = 21
+    manager.register(request)
+    assert request.num_released_blocks == 4
+    manager.check_integrity([request])
+    # Without speculation no draft reads it: the target's reach alone (its next query, at 30, reads from block 6,
+    # and the block before it is kept).
+    solo = make_request(30, params=SamplingParams(max_tokens=8, temperature=0.0, speculative=False), first_token=90)
+    manager.allocate(solo, 30)
+    solo.num_computed_tokens = 30
+    manager.register(solo)
+    assert solo.num_released_blocks == 5
+    manager.check_integrity([request, solo])
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss", "llama"])
