@@ -24,14 +24,18 @@ class ImageEmbedder:
     or the tower, and returns the rows that replace those tokens' embeddings.
 
     A chunk of a prompt may hold part of an image (chunked prefill splits images as it splits text): it takes
-    the rows of that part. Each image is encoded in a tower call of its own, so its embeddings never depend on
-    the other images of the step (the determinism rule: alone == in a batch == from the cache)."""
+    the rows of that part. A step's new images are encoded together, one tower call for each shape they come in
+    (VisionFamily.batch_key); the tower's layers that mix images' rows run on the batch-invariant kernels, so an
+    image's embeddings never depend on the other images of its call (the determinism rule: alone == in a batch ==
+    from the cache)."""
 
     def __init__(self, vision: VisionFamily, cache: EncoderCache) -> None:
         self.vision = vision
         self.cache = cache
-        # Tower calls made, and their seconds: the vision tower's share of the engine thread's time.
+        # Images encoded, the tower calls that encoded them, and their seconds: the vision tower's share of the
+        # engine thread's time.
         self.num_encoded = 0
+        self.num_calls = 0
         self.seconds = 0.0
 
     def rows(self, segments: Sequence[Segment]) -> ImageRows | None:
@@ -58,16 +62,22 @@ class ImageEmbedder:
 
     def _embeddings(self, images: Iterable[ImageInput], starting: Counter[int]) -> dict[int, torch.Tensor]:
         """Each image's embeddings, held for this step (the cache may drop them meanwhile)."""
-        found = {}
+        found: dict[int, torch.Tensor] = {}
+        batches: dict[tuple, list[ImageInput]] = {}
+        # Every lookup before the first put: a put may drop an image this step reads.
         for image in images:
             embeddings = self.cache.get(image.content_hash, starting[image.content_hash])
             if embeddings is None:
-                started = time.perf_counter()
-                embeddings = self.vision.encode(image.inputs)
-                self.seconds += time.perf_counter() - started
-                if embeddings.shape[0] != image.num_rows:
-                    raise ValueError(f"an image has {embeddings.shape[0]} embeddings for {image.num_rows} tokens")
-                self.num_encoded += 1
+                batches.setdefault(self.vision.batch_key(image.inputs), []).append(image)
+            else:
+                found[image.content_hash] = embeddings
+        for batch in batches.values():
+            started = time.perf_counter()
+            encoded = self.vision.encode_batch([image.inputs for image in batch], [image.num_rows for image in batch])
+            self.seconds += time.perf_counter() - started
+            self.num_calls += 1
+            self.num_encoded += len(batch)
+            for image, embeddings in zip(batch, encoded):
                 self.cache.put(image.content_hash, embeddings)
-            found[image.content_hash] = embeddings
+                found[image.content_hash] = embeddings
         return found

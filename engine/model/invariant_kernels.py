@@ -23,6 +23,7 @@ from engine.kernels.cpu.invariant import PackedEmbedding, PackedLinear, WeightFo
 from engine.kernels.cpu.native import kernel_variant, load_library
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.gguf_weights import shipped_blocks
+from engine.model.invariant_tower import cpu_linear_kernel, gpu_linear_kernel, use_invariant_tower
 from engine.model.layers import Fusions
 from engine.model.moe import ExpertLinears, ExpertMatrices, router_of, sparse_blocks
 
@@ -66,7 +67,7 @@ def use_invariant_kernels(
     blocks = shipped_blocks(gguf, hf_model) if gguf is not None and quantize is None else {}
     shared = {hf_model.get_input_embeddings().weight.data_ptr()}
     packed = {}
-    # The decoder's layers only: a vision tower runs as Hugging Face's modules (engine/model/families/vision.py).
+    # The decoder's layers here; a vision tower's below, each on its own kernel in Hugging Face's modules.
     for module in paged.decoder_modules:
         if isinstance(module, torch.nn.Linear):
             if quantize is not None and module.in_features % 32 == 0:
@@ -91,6 +92,7 @@ def use_invariant_kernels(
         # Tied: the head's packed copy holds the embedding's values exactly (_pack_as_shipped keeps no other).
         paged.embed_tokens = PackedEmbedding(head)
         embeddings.weight.data = torch.empty(0)
+    tower = use_invariant_tower(paged.vision, cpu_linear_kernel(library)) if paged.vision is not None else 0
     # What is left (norms, an untied embedding) may still be views of the checkpoint's memory map, and one view
     # keeps the whole map, which packing read through, resident: copied out of it, the map goes.
     for parameter in hf_model.parameters():
@@ -105,12 +107,13 @@ def use_invariant_kernels(
     paged.use_kernels(library, packed, experts, decoder)
     forms = Counter(linear.form.name for linear in packed.values())
     logger.info(
-        "batch-invariant kernels (%s) for %d linear layers (%s), %d mixture-of-experts blocks and attention%s",
+        "batch-invariant kernels (%s) for %d linear layers (%s), %d mixture-of-experts blocks and attention%s%s",
         kernel_variant(library),
         len(packed),
         ", ".join(f"{count} {form}" for form, count in sorted(forms.items())),
         len(experts),
         "; the decoder layers in one call a step" if decoder is not None else "",
+        f"; {tower} of the vision tower's layers" if tower else "",
     )
 
 
@@ -179,9 +182,10 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
     experts = {block: _gpu_experts(block) for block in sparse_blocks(paged.decoder_modules[0])}
     fusions = gpu_fusions(paged.decoder_modules, groups, norms)
     paged.use_gpu_kernels(linears, norms, experts, fusions)
+    tower = use_invariant_tower(paged.vision, gpu_linear_kernel()) if paged.vision is not None else 0
     logger.info(
         "batch-invariant GPU kernels for %d linear layers (%d stacked in %d launches), %d norms (%d adding the"
-        " residual) and %d mixture-of-experts blocks; %d gated activations fused",
+        " residual) and %d mixture-of-experts blocks; %d gated activations fused; %d of the vision tower's layers",
         len(linears),
         sum(len(group) for group in groups),
         len(groups),
@@ -189,6 +193,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
         len(fusions.add_norms),
         len(experts),
         len(fusions.gated),
+        tower,
     )
 
 

@@ -7,13 +7,16 @@ mask has them, which the scheduler and the attention provide (Request.image_bloc
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.images import ImageInput
 from engine.model.families.vision import LanguagePart, VisionFamily
+
+if TYPE_CHECKING:
+    from engine.model.invariant_tower import LinearKernel
 
 
 class Gemma3Vision(VisionFamily):
@@ -30,6 +33,12 @@ class Gemma3Vision(VisionFamily):
         config = copy.copy(self.hf_model.config.text_config)
         config.final_logit_softcapping = None
         return LanguagePart(config, self.hf_model.model.language_model)
+
+    def use_linear_kernel(self, kernel: LinearKernel) -> int:
+        # The projector multiplies by its weight [vision, text] with torch.matmul, outside an nn.Linear.
+        model = self.hf_model.model
+        model.multi_modal_projector = _Projector(model.multi_modal_projector, kernel)
+        return 1
 
     def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
         # The processor takes a list of images per prompt.
@@ -50,3 +59,22 @@ class Gemma3Vision(VisionFamily):
             split.append({name: value[start : start + count] for name, value in inputs.items()})
             start += count
         return split
+
+
+class _Projector(torch.nn.Module):
+    """Hugging Face's Gemma3MultiModalProjector (pooled, normed, projected) with its projection on a kernel."""
+
+    def __init__(self, projector: torch.nn.Module, kernel: LinearKernel) -> None:
+        super().__init__()
+        self.avg_pool = projector.avg_pool
+        self.mm_soft_emb_norm = projector.mm_soft_emb_norm
+        self.patches_per_image: int = projector.patches_per_image
+        weight = projector.mm_input_projection_weight.T.contiguous()
+        self.project: Callable[[torch.Tensor], torch.Tensor] = kernel(weight, None)
+
+    def forward(self, vision_outputs: torch.Tensor) -> torch.Tensor:
+        batch_size, _, hidden_size = vision_outputs.shape
+        side = self.patches_per_image
+        grid = vision_outputs.transpose(1, 2).reshape(batch_size, hidden_size, side, side).contiguous()
+        pooled = self.avg_pool(grid).flatten(2).transpose(1, 2)
+        return self.project(self.mm_soft_emb_norm(pooled)).type_as(vision_outputs)

@@ -16,6 +16,8 @@ from engine.model.families.vision import LanguagePart, VisionFamily
 
 class Idefics3(VisionFamily):
     model_types = ("idefics3",)
+    # pixel_values [1, tiles, 3, H, W] and pixel_attention_mask [1, tiles, H, W]: the tower flattens the tiles.
+    image_dim = 1
 
     def language(self) -> LanguagePart:
         return LanguagePart(self.hf_model.config.text_config, self.hf_model.model.text_model)

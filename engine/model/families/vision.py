@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from transformers import AutoProcessor, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -16,6 +16,9 @@ from transformers import AutoProcessor, PretrainedConfig, PreTrainedModel, PreTr
 from engine.images import ImageInput
 from engine.model.families.base import DecoderFamily
 from engine.rope_positions import RopePositions
+
+if TYPE_CHECKING:
+    from engine.model.invariant_tower import LinearKernel
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class VisionFamily:
     rope_by_grid: ClassVar[bool] = False
     # The family of the decoder where no text model shares it (else its text_config's model_type's).
     decoder: ClassVar[type[DecoderFamily] | None] = None
+    # The dimension along which images' tower inputs stack: several images' inputs concatenated along it (their
+    # other dimensions equal) are those images' in one tower call, their embeddings' rows in the same order.
+    image_dim: ClassVar[int] = 0
 
     @classmethod
     def load_processor(cls, path: Path, tokenizer: PreTrainedTokenizerBase) -> Any:
@@ -68,9 +74,31 @@ class VisionFamily:
         inputs = {name: value for name, value in outputs.items() if name not in self.text_outputs}
         return [{name: value[i : i + 1] for name, value in inputs.items()} for i in range(len(num_rows))]
 
+    def batch_key(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
+        """Images whose keys are equal stack into one tower call: their inputs' names, dtypes and shapes but for
+        image_dim."""
+        dim = self.image_dim
+        return tuple((name, value.dtype, value.shape[:dim] + value.shape[dim + 1 :]) for name, value in inputs.items())
+
+    def encode_batch(self, inputs: Sequence[Mapping[str, torch.Tensor]], num_rows: Sequence[int]) -> list[torch.Tensor]:
+        """Images of one batch_key in one tower call: each one's embeddings (`num_rows[i]` rows), bit for bit
+        encode's of it alone where the tower runs on the batch-invariant kernels (engine/model/invariant_tower.py)."""
+        if len(inputs) == 1:
+            embeddings = self.encode(inputs[0])
+        else:
+            stacked = {name: torch.cat([image[name] for image in inputs], self.image_dim) for name in inputs[0]}
+            embeddings = self.encode(stacked)
+        if embeddings.shape[0] != sum(num_rows):
+            raise ValueError(f"images have {embeddings.shape[0]} embeddings for {sum(num_rows)} tokens")
+        if len(inputs) == 1:
+            return [embeddings]
+        # Copies, so that the encoder cache's dropping an image frees its rows.
+        return [part.clone() for part in embeddings.split(list(num_rows))]
+
     @torch.inference_mode()
     def encode(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """One image's embeddings [rows, hidden], in the order its tokens come in the prompt."""
+        """The embeddings [rows, hidden] of the images in `inputs` (one image's, or several stacked along
+        image_dim), in the order their tokens come in the prompt."""
         device = self.hf_model.device
         features: Any = self.hf_model.model.get_image_features(
             **{name: value.to(device) for name, value in inputs.items()}
@@ -78,6 +106,11 @@ class VisionFamily:
         if isinstance(features, (list, tuple)):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
         return features.reshape(-1, features.shape[-1]).to(self.hf_model.dtype)
+
+    def use_linear_kernel(self, kernel: LinearKernel) -> int:
+        """Where the tower or projector multiplies images' rows by a weight outside an nn.Linear (which
+        use_invariant_tower moves itself): that product on `kernel`. Returns how many such products."""
+        return 0
 
     def prompt(self, processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt's token ids as the processor expands its image placeholders, and its images."""
