@@ -33,6 +33,10 @@ class EncoderCache:
             self._entries.move_to_end(content_hash)
         return embeddings
 
+    def __contains__(self, content_hash: object) -> bool:
+        """Whether the image's embeddings are kept (not a lookup: the hit rate and the order stay)."""
+        return content_hash in self._entries
+
     def put(self, content_hash: int, embeddings: torch.Tensor) -> None:
         """Keep `embeddings`; an image larger than the whole cache is still kept, alone, until the next put."""
         if content_hash in self._entries:

@@ -50,6 +50,7 @@ class Engine:
         self.token_bytes = loaded.token_bytes
         draft_windows = draft_model.windows if draft_model is not None else None
         self.block_manager = block_manager_for(config, loaded.model.windows, draft_windows)
+        self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -59,9 +60,9 @@ class Engine:
             max_unread_tokens=config.max_unread_tokens,
             pin_seconds=config.pinned_kv_seconds,
             whole_images=vision is not None and vision.bidirectional_images,
+            encoder_cache=self.runner.images.cache if self.runner.images is not None else None,
         )
         self.output = OutputProcessor(self.scheduler)
-        self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
         self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.model.vocab_size, loaded.eos_token_ids)
         self.masks = MaskComputer(self.grammars, loaded.model.vocab_size, loaded.model.device)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
+from engine.encoder_budget import EncoderBudget
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 
@@ -50,9 +52,14 @@ class Scheduler:
         max_unread_tokens: int = 256,
         pin_seconds: float = 0.0,
         whole_images: bool = False,
+        encoder_cache: Container[int] | None = None,
+        max_num_encoder_input_tokens: int | None = None,
     ) -> None:
         """`whole_images`: the model's image tokens attend to each other both ways, so a chunk never ends inside
-        a request's image block (Request.image_blocks)."""
+        a request's image block (Request.image_blocks). `encoder_cache` (a vision-language model's: the images
+        whose embeddings are kept, by content hash): a step starts new images of at most
+        `max_num_encoder_input_tokens` rows (by default the step's token budget), a chunk ending before one that
+        does not fit (EncoderBudget)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,6 +68,8 @@ class Scheduler:
         self.max_unread_tokens = max_unread_tokens
         self.pin_seconds = pin_seconds
         self.whole_images = whole_images
+        self.encoder_cache = encoder_cache
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -89,8 +98,13 @@ class Scheduler:
         # A running prompt that waits for room to compute an image whole holds back new admissions, so the
         # budget it needs frees up as the decodes ahead of it finish.
         admit = True
-        # A local: asked of every running request, where a text model's check costs one jump.
+        # Locals: asked of every running request, where a text model's checks cost a jump each.
         whole_images = self.whole_images
+        encoder = (
+            EncoderBudget(self.encoder_cache, self.max_num_encoder_input_tokens)
+            if self.encoder_cache is not None
+            else None
+        )
         # A stable sort keeps arrival order within each group; decodes go first so a
         # long prompt being prefilled never holds back the tokens of everyone else.
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -110,6 +124,10 @@ class Scheduler:
                 if not num_new:
                     admit = False
                     continue
+            if encoder is not None and request.images:
+                num_new = encoder.fit(request, request.num_computed_tokens, num_new)
+                if not num_new:
+                    continue
             if not self._make_room(request, num_new, plan):
                 continue
             proposed = proposals.get(request, [])[: budget - num_new] if proposals and num_new == 1 else []
@@ -119,6 +137,8 @@ class Scheduler:
             ):
                 plan.proposals[request] = proposed
                 num_new += len(proposed)
+            if encoder is not None and request.images:
+                encoder.charge(request, request.num_computed_tokens, num_new)
             self.block_manager.allocate(request, num_new)
             plan.scheduled.append((request, num_new))
             budget -= num_new
@@ -138,8 +158,14 @@ class Scheduler:
                 num_new = chunk_within_images(request, num_cached, num_new)
                 if not num_new:
                     break
+            if encoder is not None and request.images:
+                num_new = encoder.fit(request, num_cached, num_new)
+                if not num_new:
+                    break
             if not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_new)):
                 break
+            if encoder is not None and request.images:
+                encoder.charge(request, num_cached, num_new)
             self.waiting.popleft()
             self.block_manager.adopt_prefix(request, cached)
             request.status = RequestStatus.RUNNING

@@ -1,15 +1,32 @@
 import random
 
+from engine.images import ImageInput
 from engine.kv_cache import BlockManager
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from tests.unit.helpers import make_request
 
 
-def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, eos=frozenset({0}), whole_images=False):
+def create_scheduler(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=16,
+    eos=frozenset({0}),
+    whole_images=False,
+    encoder_cache=None,
+    encoder_budget=None,
+):
     manager = BlockManager(num_blocks, block_size)
     scheduler = Scheduler(
-        manager, max_num_seqs, budget, max_model_len=1024, eos_token_ids=eos, whole_images=whole_images
+        manager,
+        max_num_seqs,
+        budget,
+        max_model_len=1024,
+        eos_token_ids=eos,
+        whole_images=whole_images,
+        encoder_cache=encoder_cache,
+        max_num_encoder_input_tokens=encoder_budget,
     )
     return scheduler, manager
 
@@ -198,3 +215,63 @@ def test_a_prompt_waiting_for_room_for_its_image_block_holds_back_admissions():
         assert later.status == RequestStatus.WAITING
         run_step(scheduler)
     assert image.num_computed_tokens >= 16 and all(r.is_finished for r in decoding)
+
+
+def with_image(request, content_hash: int, start: int, num_rows: int):
+    request.images = (ImageInput(content_hash, ((start, num_rows),), {}),)
+    return request
+
+
+def test_a_step_starts_no_more_new_images_than_its_encoder_budget():
+    """Two prompts with a new image of 10 rows each and an encoder budget of 12: the first's image starts, the
+    second's chunk ends before its image and the image starts the next step (once the first's is cached)."""
+    cache: set[int] = set()
+    scheduler, _ = create_scheduler(budget=64, encoder_cache=cache, encoder_budget=12)
+    first, second = with_image(make_request(20), 1, 4, 10), with_image(make_request(20), 2, 3, 10)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(first, 20), (second, 3)]
+    cache.add(1)  # what the step's tower call leaves in the encoder cache
+    assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(first, 1), (second, 17)]
+
+
+def test_cached_images_and_an_image_another_chunk_starts_cost_nothing():
+    cache = {1}
+    scheduler, _ = create_scheduler(budget=64, encoder_cache=cache, encoder_budget=12)
+    requests = [with_image(make_request(20), 1, 4, 10), with_image(make_request(20), 2, 4, 10)]
+    requests.append(with_image(make_request(20), 2, 6, 10))  # the second's image: encoded once
+    for request in requests:
+        scheduler.add(request)
+    assert [n for _, n in run_step(scheduler).scheduled] == [20, 20, 20]
+
+
+def test_an_image_larger_than_the_encoder_budget_starts_first_in_its_step():
+    """The budget never starves an image: the step's first new image starts whatever its size, and nothing
+    new joins it."""
+    scheduler, _ = create_scheduler(budget=64, encoder_cache=set(), encoder_budget=8)
+    large, small = with_image(make_request(20), 1, 2, 12), with_image(make_request(20), 2, 2, 4)
+    scheduler.add(large)
+    scheduler.add(small)
+    assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(large, 20), (small, 2)]
+
+
+def test_a_running_chunk_waits_for_encoder_room_and_text_models_never_ask():
+    """A running prompt whose next chunk starts at a new image that does not fit beside an earlier prompt's
+    computes nothing that step; without an encoder cache (a text model) images are not looked at."""
+    cache: set[int] = set()
+    scheduler, _ = create_scheduler(budget=24, encoder_cache=cache, encoder_budget=10)
+    first, second = make_request(40), with_image(make_request(40), 2, 2, 8)
+    first.images = (ImageInput(1, ((2, 8),), {}), ImageInput(3, ((22, 8),), {}))
+    scheduler.add(first)
+    scheduler.add(second)
+    # The first's second image does not fit beside its first: it ends before it; the second stops at its own.
+    assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(first, 22), (second, 2)]
+    cache.add(1)
+    assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(first, 18)]
+    cache.add(3)
+    assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(first, 1), (second, 23)]
+    text, _ = create_scheduler(budget=128)
+    requests = [with_image(make_request(50), content, 4, 40) for content in (1, 2)]
+    for request in requests:
+        text.add(request)
+    assert [n for _, n in run_step(text).scheduled] == [50, 50]

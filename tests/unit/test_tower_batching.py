@@ -88,6 +88,8 @@ async def test_a_step_encodes_its_requests_new_images_in_one_tower_call(loaded):
             outputs.append([(t, lp.logprob) for c in chunks for t, lp in zip(c.token_ids, c.logprobs)])
         embedder = engine.runner.images
         assert (embedder.num_encoded, embedder.num_calls) == (3, 1)
+        # The step's encoder budget reads the cache the tower fills (engine/encoder_budget.py).
+        assert engine.scheduler.encoder_cache is embedder.cache
     finally:
         engine.shutdown()
     assert outputs == alone
