@@ -69,7 +69,9 @@ class Scheduler:
         self.pin_seconds = pin_seconds
         self.whole_images = whole_images
         self.encoder_cache = encoder_cache
-        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens or max_num_batched_tokens
+        self.max_num_encoder_input_tokens = (
+            max_num_batched_tokens if max_num_encoder_input_tokens is None else max_num_encoder_input_tokens
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
