@@ -185,7 +185,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
     tower = use_invariant_tower(paged.vision, gpu_linear_kernel()) if paged.vision is not None else 0
     logger.info(
         "batch-invariant GPU kernels for %d linear layers (%d stacked in %d launches), %d norms (%d adding the"
-        " residual) and %d mixture-of-experts blocks; %d gated activations fused; %d of the vision tower's layers",
+        " residual) and %d mixture-of-experts blocks; %d gated activations fused%s",
         len(linears),
         sum(len(group) for group in groups),
         len(groups),
@@ -193,7 +193,7 @@ def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:
         len(fusions.add_norms),
         len(experts),
         len(fusions.gated),
-        tower,
+        f"; {tower} of the vision tower's layers" if tower else "",
     )
 
 
