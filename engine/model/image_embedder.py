@@ -24,10 +24,11 @@ class ImageEmbedder:
     or the tower, and returns the rows that replace those tokens' embeddings.
 
     A chunk of a prompt may hold part of an image (chunked prefill splits images as it splits text): it takes
-    the rows of that part. A step's new images are encoded together, one tower call for each shape they come in
-    (VisionFamily.batch_key); the tower's layers that mix images' rows run on the batch-invariant kernels, so an
-    image's embeddings never depend on the other images of its call (the determinism rule: alone == in a batch ==
-    from the cache)."""
+    the rows of that part. Where the tower is on the batch-invariant kernels (VisionFamily.invariant_tower), a
+    step's new images are encoded together, one tower call for each shape they come in (VisionFamily.batch_key):
+    the tower's layers that mix images' rows run on those kernels, so an image's embeddings never depend on the
+    other images of its call. On torch's kernels they would, so each image is encoded alone there (the
+    determinism rule: alone == in a batch == from the cache)."""
 
     def __init__(self, vision: VisionFamily, cache: EncoderCache) -> None:
         self.vision = vision
@@ -63,12 +64,14 @@ class ImageEmbedder:
     def _embeddings(self, images: Iterable[ImageInput], starting: Counter[int]) -> dict[int, torch.Tensor]:
         """Each image's embeddings, held for this step (the cache may drop them meanwhile)."""
         found: dict[int, torch.Tensor] = {}
-        batches: dict[tuple, list[ImageInput]] = {}
+        batches: dict[object, list[ImageInput]] = {}
+        batched = self.vision.invariant_tower
         # Every lookup before the first put: a put may drop an image this step reads.
         for image in images:
             embeddings = self.cache.get(image.content_hash, starting[image.content_hash])
             if embeddings is None:
-                batches.setdefault(self.vision.batch_key(image.inputs), []).append(image)
+                key = self.vision.batch_key(image.inputs) if batched else image.content_hash
+                batches.setdefault(key, []).append(image)
             else:
                 found[image.content_hash] = embeddings
         for batch in batches.values():

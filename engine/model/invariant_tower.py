@@ -95,7 +95,8 @@ class PatchLinear(torch.nn.Module):
 def use_invariant_tower(vision: VisionFamily, kernel: LinearKernel) -> int:
     """Every linear layer and patch convolution of the vision tower and projector (the model's modules but its
     language model's) on `kernel`, the originals dropped, and whatever else the family multiplies images' rows by
-    (VisionFamily.use_linear_kernel). Returns how many layers."""
+    (VisionFamily.use_linear_kernel), and the family marked invariant_tower. Returns how many layers."""
+    vision.invariant_tower = True
     language = set(vision.language().model.modules())
     count = 0
     for parent in list(vision.hf_model.model.modules()):

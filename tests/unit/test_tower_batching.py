@@ -93,3 +93,28 @@ async def test_a_step_encodes_its_requests_new_images_in_one_tower_call(loaded):
     finally:
         engine.shutdown()
     assert outputs == alone
+
+
+# On torch's kernels: --no-batch-invariant, and the invariant kernels declining a CPU model that is not float32.
+@pytest.mark.parametrize(("batch_invariant", "dtype"), [(False, "float32"), (True, "bfloat16")])
+async def test_on_torchs_kernels_each_new_image_is_its_own_tower_call(
+    batch_invariant, dtype, default_tokenizer, tmp_path
+):
+    """torch's kernels pick their blocking by the row count, so images stacked would change each other's bits
+    (and the encoder cache's): the tower encodes each alone."""
+    folder = tiny_vision_folder("qwen2_vl", default_tokenizer, tmp_path)
+    loaded = load_model(str(folder), CACHE_DIR, "cpu", dtype, batch_invariant=batch_invariant)
+    assert not loaded.model.vision.invariant_tower
+    engine = tiny_engine(loaded, max_num_batched_tokens=512)
+    loop = asyncio.get_running_loop()
+    channels = [StreamChannel(loop, num_choices=1) for _ in IMAGES]
+    for i, ((prompt, images), channel) in enumerate(zip(prompts(loaded, IMAGES), channels)):
+        engine.submit(f"r{i}", prompt, GREEDY, channel, images)
+    engine.start()
+    try:
+        for channel in channels:
+            assert [chunk async for chunk in channel][-1].finish_reason == "length"
+        embedder = engine.runner.images
+        assert (embedder.num_encoded, embedder.num_calls) == (3, 3)
+    finally:
+        engine.shutdown()

@@ -58,6 +58,9 @@ class VisionFamily:
     def __init__(self, hf_model: PreTrainedModel) -> None:
         self.hf_model = hf_model
         self.image_token_id: int = hf_model.config.image_token_id
+        # Whether the tower runs on the batch-invariant kernels (use_invariant_tower sets it): only then may
+        # images share a tower call, since torch's kernels give an image other bits beside others.
+        self.invariant_tower = False
 
     @property
     def longest_image_block(self) -> int:
@@ -75,8 +78,8 @@ class VisionFamily:
         return [{name: value[i : i + 1] for name, value in inputs.items()} for i in range(len(num_rows))]
 
     def batch_key(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
-        """Images whose keys are equal stack into one tower call: their inputs' names, dtypes and shapes but for
-        image_dim."""
+        """Images whose keys are equal stack into one tower call (where invariant_tower): their inputs' names,
+        dtypes and shapes but for image_dim."""
         dim = self.image_dim
         return tuple((name, value.dtype, value.shape[:dim] + value.shape[dim + 1 :]) for name, value in inputs.items())
 
