@@ -50,7 +50,9 @@ class Engine:
         self.token_bytes = loaded.token_bytes
         draft_windows = draft_model.windows if draft_model is not None else None
         self.block_manager = block_manager_for(config, loaded.model.windows, draft_windows)
-        self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size)
+        # vLLM's max_num_encoder_input_tokens, as it defaults: the step's token budget.
+        encoder_budget = config.max_num_batched_tokens
+        self.runner = ModelRunner(loaded.model, config.num_kv_blocks, config.block_size, encoder_budget)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -61,6 +63,7 @@ class Engine:
             pin_seconds=config.pinned_kv_seconds,
             whole_images=vision is not None and vision.bidirectional_images,
             encoder_cache=self.runner.images.cache if self.runner.images is not None else None,
+            max_num_encoder_input_tokens=encoder_budget,
         )
         self.output = OutputProcessor(self.scheduler)
         self.sampler = Sampler(loaded.cpu_kernels, device_kernel(loaded.model.device))

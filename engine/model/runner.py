@@ -51,13 +51,15 @@ class ModelRunner:
     """Owns the KV storage and the only calls into the model."""
 
     def __init__(
-        self, model: PagedCausalLM, num_blocks: int, block_size: int, encoder_cache_rows: int = 1 << 14
+        self, model: PagedCausalLM, num_blocks: int, block_size: int, max_num_encoder_input_tokens: int = 0
     ) -> None:
+        """`max_num_encoder_input_tokens`: the most rows of new images a step encodes (the scheduler's)."""
         self.model = model
-        # A vision-language model's image embeddings (None for a text model: no work per step).
-        self.images = (
-            ImageEmbedder(model.vision, EncoderCache(encoder_cache_rows)) if model.vision is not None else None
-        )
+        # A vision-language model's image embeddings (None for a text model: no work per step). The cache holds
+        # at least a step's new images, as vLLM sizes its own: else they evict each other, and an image chunked
+        # across steps is encoded again.
+        cache_rows = max(1 << 14, max_num_encoder_input_tokens)
+        self.images = ImageEmbedder(model.vision, EncoderCache(cache_rows)) if model.vision is not None else None
         # Whether requests' image blocks attend both ways (Request.image_blocks): each step then tells the
         # attention how far each of their tokens reads.
         self.whole_images = model.vision is not None and model.vision.bidirectional_images

@@ -118,3 +118,11 @@ async def test_on_torchs_kernels_each_new_image_is_its_own_tower_call(
         assert (embedder.num_encoded, embedder.num_calls) == (3, 3)
     finally:
         engine.shutdown()
+
+
+def test_the_encoder_cache_holds_a_steps_encoder_budget(loaded):
+    """A step may start as many new images' rows as its token budget, past the cache's own size: the cache holds
+    them all, or the step's later images would drop its earlier ones (which chunked images then encode again)."""
+    engine = tiny_engine(loaded, max_num_batched_tokens=1 << 15)
+    assert engine.scheduler.max_num_encoder_input_tokens == 1 << 15
+    assert engine.runner.images.cache.max_rows >= 1 << 15
