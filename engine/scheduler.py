@@ -53,13 +53,12 @@ class Scheduler:
         pin_seconds: float = 0.0,
         whole_images: bool = False,
         encoder_cache: Container[int] | None = None,
-        max_num_encoder_input_tokens: int | None = None,
+        max_num_encoder_input_tokens: int = 0,
     ) -> None:
         """`whole_images`: the model's image tokens attend to each other both ways, so a chunk never ends inside
         a request's image block (Request.image_blocks). `encoder_cache` (a vision-language model's: the images
         whose embeddings are kept, by content hash): a step starts new images of at most
-        `max_num_encoder_input_tokens` rows (by default the step's token budget), a chunk ending before one that
-        does not fit (EncoderBudget)."""
+        `max_num_encoder_input_tokens` rows, a chunk ending before one that does not fit (EncoderBudget)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,9 +68,7 @@ class Scheduler:
         self.pin_seconds = pin_seconds
         self.whole_images = whole_images
         self.encoder_cache = encoder_cache
-        self.max_num_encoder_input_tokens = (
-            max_num_batched_tokens if max_num_encoder_input_tokens is None else max_num_encoder_input_tokens
-        )
+        self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -15,7 +15,7 @@ def create_scheduler(
     eos=frozenset({0}),
     whole_images=False,
     encoder_cache=None,
-    encoder_budget=None,
+    encoder_budget=0,
 ):
     manager = BlockManager(num_blocks, block_size)
     scheduler = Scheduler(
