@@ -32,7 +32,7 @@ class EncoderBudget:
         room, taken = self.num_rows, set(self.started)
         for image in request.images:
             content = image.content_hash
-            if image.end <= start or image.start >= end or content in taken or content in self.cache:
+            if content in taken or content in self.cache or not image.fills(start, end):
                 continue
             if image.num_rows > room and taken:
                 return max(0, image.start - start)
@@ -47,6 +47,6 @@ class EncoderBudget:
             return
         for image in request.images:
             content = image.content_hash
-            if image.start < end and image.end > start and content not in self.started and content not in self.cache:
+            if content not in self.started and content not in self.cache and image.fills(start, end):
                 self.started.add(content)
                 self.num_rows -= image.num_rows

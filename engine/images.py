@@ -45,6 +45,10 @@ class ImageInput:
         start, length = self.runs[-1]
         return start + length
 
+    def fills(self, start: int, end: int) -> bool:
+        """Whether the image fills a position in [start, end) (not only the text between its runs)."""
+        return any(run_start < end and run_start + length > start for run_start, length in self.runs)
+
     def rows_in(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """The image's rows that fill positions in [start, end): (first position, first row, count) each."""
         found, row = [], 0

@@ -1,5 +1,6 @@
 import random
 
+from engine.encoder_budget import EncoderBudget
 from engine.images import ImageInput
 from engine.kv_cache import BlockManager
 from engine.request import RequestStatus
@@ -253,6 +254,19 @@ def test_an_image_larger_than_the_encoder_budget_starts_first_in_its_step():
     scheduler.add(large)
     scheduler.add(small)
     assert [(r, n) for r, n in run_step(scheduler).scheduled] == [(large, 20), (small, 2)]
+
+
+def test_a_chunk_of_only_the_text_between_an_images_runs_costs_nothing():
+    """An image whose tiles are runs with text between them (Idefics3's) is reached by a chunk only where the
+    chunk holds one of its runs: the text between them starts no tower work, and leaves the room to others."""
+    budget = EncoderBudget(set(), num_rows=10)
+    tiled = make_request(20)
+    tiled.images = (ImageInput(1, ((2, 4), (12, 4)), {}),)
+    assert budget.fit(tiled, 6, 6) == 6
+    budget.charge(tiled, 6, 6)
+    assert (budget.num_rows, budget.started) == (10, set())
+    other = with_image(make_request(20), 2, 0, 6)
+    assert budget.fit(other, 0, 10) == 10
 
 
 def test_a_running_chunk_waits_for_encoder_room_and_text_models_never_ask():
