@@ -126,3 +126,18 @@ def test_the_encoder_cache_holds_a_steps_encoder_budget(loaded):
     engine = tiny_engine(loaded, max_num_batched_tokens=1 << 15)
     assert engine.scheduler.max_num_encoder_input_tokens == 1 << 15
     assert engine.runner.images.cache.max_rows >= 1 << 15
+
+
+def test_idefics3_images_with_a_padded_tile_never_share_a_call_with_unpadded_ones(default_tokenizer, tmp_path):
+    """transformers drops the tower's attention mask only where the whole call's pixel_attention_mask is all true,
+    which picks the attention kernel every image of the call runs on."""
+    folder = tiny_vision_folder("idefics3", default_tokenizer, tmp_path)
+    loaded = load_model(str(folder), CACHE_DIR, "cpu", "float32", batch_invariant=True)
+    vision = loaded.model.vision
+    plain, other = (image.inputs for _, (image,) in prompts(loaded, IMAGES[:2]))
+    assert bool(plain["pixel_attention_mask"].all()) and bool(other["pixel_attention_mask"].all())
+    assert vision.batch_key(plain) == vision.batch_key(other)
+    mask = other["pixel_attention_mask"].clone()
+    mask[:, -1, :, mask.shape[-1] // 2 :] = 0
+    padded = {**other, "pixel_attention_mask": mask}
+    assert vision.batch_key(padded) != vision.batch_key(plain)

@@ -26,6 +26,12 @@ class Idefics3(VisionFamily):
         # The processor takes a list of images per prompt.
         return super().prompt(processor, text, [list(images)])
 
+    def batch_key(self, inputs: Mapping[str, torch.Tensor]) -> tuple:
+        # transformers' tower drops its attention mask only where the whole call's pixel_attention_mask is all
+        # true (then another attention kernel runs): a padded tile's image stacked with others would change theirs.
+        mask = inputs.get("pixel_attention_mask")
+        return (*super().batch_key(inputs), mask is None or bool(mask.all()))
+
     def split(self, outputs: Mapping[str, torch.Tensor], num_rows: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         """Each image's tiles (its grid's, then the whole image's) out of the prompt's, stacked on dim 1: as
         many as its image tokens make (each tile is as many tokens)."""
