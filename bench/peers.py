@@ -44,12 +44,13 @@ def transformers_env() -> Path:
     import transformers
 
     home = PEERS_DIR / "transformers"
-    stamp = home / f".installed-{transformers.__version__}"
+    # The vision extra (Pillow): its image processors, for the vision-language bench (bench/vision.py).
+    stamp = home / f".installed-{transformers.__version__}-vision"
     if not stamp.exists():
         _run(sys.executable, "-m", "venv", "--clear", home)
         pip = home / "bin" / "pip"
         _run(pip, "install", "--quiet", TORCH)
-        _run(pip, "install", "--quiet", f"transformers[serving]=={transformers.__version__}", "accelerate")
+        _run(pip, "install", "--quiet", f"transformers[serving,vision]=={transformers.__version__}", "accelerate")
         stamp.touch()
     return home / "bin" / "transformers"
 
