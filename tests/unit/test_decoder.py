@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine.kernels.cpu.decoder import BARRIER_SPIN_NS
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import SamplingParams
@@ -87,3 +88,23 @@ def test_a_self_draft_takes_the_first_layers(default_tokenizer):
 @pytest.mark.parametrize("model_type", ["gemma2", "olmo2", "phi3", "smollm3"])
 def test_other_layers_run_op_by_op(default_tokenizer, model_type):
     assert tiny_loaded(default_tokenizer, model_type, kernels_cache=CACHE_DIR).model._decoder is None
+
+
+@pytest.mark.parametrize("spin_ns", [0, BARRIER_SPIN_NS], ids=["sleeping", "spinning"])
+def test_the_barriers_give_the_same_bits_asleep_or_spinning(default_tokenizer, spin_ns):
+    """Three threads on this machine's two cores, so a barrier's waiters both spin and sleep (0: always sleep)."""
+    loaded = tiny_loaded(default_tokenizer, "qwen3", kernels_cache=CACHE_DIR)
+    model = loaded.model
+    _random_norms(model)
+    decoder = model._decoder
+    prompts = [[11], list(range(3, 8)), list(range(3, 60))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        model._decoder = dataclasses.replace(decoder, barrier_spin_ns=spin_ns)
+        fused = [teacher_forced_logits(tiny_engine(loaded), prompt) for prompt in prompts]
+        model._decoder = None
+        reference = [teacher_forced_logits(tiny_engine(loaded), prompt) for prompt in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference))

@@ -8,7 +8,8 @@
 // All layers run in one OpenMP parallel region. Threads split each linear layer's output columns (a
 // thread's share of q/k/v, of gate/up, of o and down), the attention's (token, KV head) items, and the
 // tokens for the norms' and rotary's element-wise work; each thread normalizes the whole input of a
-// linear layer into a buffer of its own, so no barrier waits on the norm.
+// linear layer into a buffer of its own, so no barrier waits on the norm. The six barriers a layer are
+// barrier.h's, which spin a little before they sleep: libgomp's sleep at once under OMP_WAIT_POLICY=PASSIVE.
 
 #include <immintrin.h>
 #include <math.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "barrier.h"
 #include "invariant.h"
 #include "torch_math.h"
 
@@ -60,6 +62,7 @@ struct Step {
   int64_t table_width, block_size;
   const int64_t* table_rows;    // [tokens]
   const int64_t* context_lens;  // [tokens]
+  int64_t barrier_spin_ns;      // SpinBarrier::wait's
 };
 
 // Llama's RMSNorm of a row of n (HF's LlamaRMSNorm in float32): w * (x * 1 / sqrt(mean(x^2) + eps)).
@@ -126,7 +129,7 @@ void rotate(float* x, const float* cos, const float* sin, int64_t head_dim) {
 }
 
 void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden, float* x, float* q, float* k,
-                float* v, float* attended, float* gate, float* up, float* scores) {
+                float* v, float* attended, float* gate, float* up, float* scores, sluice::SpinBarrier& barrier) {
   const int64_t t_dim = s.tokens, h_dim = s.hidden, hd = s.head_dim;
   const bool scalar = s.scalar != 0;
   // 1) Input norm (this thread's copy), q / k / v.
@@ -134,7 +137,7 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
   linear_share(layer.q, scalar, x, t_dim, q);
   linear_share(layer.k, scalar, x, t_dim, k);
   linear_share(layer.v, scalar, x, t_dim, v);
-#pragma omp barrier
+  barrier.wait(s.barrier_spin_ns);
   // 2) Per-head norms, rotary, and this step's keys and values into the cache.
   const int64_t element_bytes = s.cache_dtype == sluice::kCacheF32 ? 4 : 2;
   char* key_cache = (char*)s.key_cache + index * s.layer_stride * element_bytes;
@@ -165,10 +168,10 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
     store(s.cache_dtype, k + t * slot_stride, slot_stride, key_cache + slot);
     store(s.cache_dtype, v + t * slot_stride, slot_stride, value_cache + slot);
   }
-#pragma omp barrier
+  barrier.wait(s.barrier_spin_ns);
   // 3) Attention, a (token, KV head) item at a time; its query heads back to back while its keys are in cache.
   const int64_t group = s.heads / s.kv_heads;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
   for (int64_t item = 0; item < t_dim * s.kv_heads; ++item) {
     const int64_t t = item / s.kv_heads, kv = item % s.kv_heads;
     const int64_t n = s.context_lens[t];
@@ -181,11 +184,12 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
                           -INFINITY, scores, attended + offset);
     }
   }
+  barrier.wait(s.barrier_spin_ns);
   // 4) o, added into the residual stream column by column (q is free again: it holds o).
   const Share o_columns = linear_share(layer.o, scalar, attended, t_dim, q);
   for (int64_t t = 0; t < t_dim; ++t)
     for (int64_t c = o_columns.first; c < o_columns.last; ++c) hidden[t * h_dim + c] += q[t * h_dim + c];
-#pragma omp barrier
+  barrier.wait(s.barrier_spin_ns);
   // 5) Post-attention norm (this thread's copy), gate and up, act(gate) * up on this thread's columns.
   for (int64_t t = 0; t < t_dim; ++t) rms_norm(hidden + t * h_dim, h_dim, layer.post_norm, layer.post_eps, x + t * h_dim);
   const Share columns = linear_share(layer.gate, scalar, x, t_dim, gate);
@@ -205,12 +209,12 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
       std::copy(products, products + (columns.last - c), g + c);
     }
   }
-#pragma omp barrier
+  barrier.wait(s.barrier_spin_ns);
   // 6) down, added into the residual stream (up is free again: it holds down's output).
   const Share d_columns = linear_share(layer.down, scalar, gate, t_dim, up);
   for (int64_t t = 0; t < t_dim; ++t)
     for (int64_t c = d_columns.first; c < d_columns.last; ++c) hidden[t * h_dim + c] += up[t * h_dim + c];
-#pragma omp barrier
+  barrier.wait(s.barrier_spin_ns);
 }
 
 }  // namespace
@@ -234,12 +238,15 @@ void sl_decoder_layers(const Layer* layers, int64_t num_layers, const Step* step
   float* attended = v + t_dim * kv_width;
   float* gate = attended + t_dim * widest;
   float* up = gate + t_dim * s.intermediate;
+  sluice::SpinBarrier barrier;
 #pragma omp parallel
   {
+#pragma omp single
+    barrier.threads = omp_get_num_threads();
     // The thread's own: a normalized input, attention scores.
     std::vector<float> x(t_dim * s.hidden), scores(longest + 8);
     for (int64_t index = 0; index < num_layers; ++index)
-      layer_step(layers[index], s, index, hidden, x.data(), q, k, v, attended, gate, up, scores.data());
+      layer_step(layers[index], s, index, hidden, x.data(), q, k, v, attended, gate, up, scores.data(), barrier);
   }
 }
 

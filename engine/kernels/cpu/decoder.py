@@ -22,6 +22,10 @@ from engine.kv_cache import KVCache
 _LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 # Activation classes computing torch's F.silu (transformers' ACT2FN["silu"] is the second).
 _SILUS = ("SiLU", "SiLUActivation")
+# How long a thread spins at one of the step's barriers before it sleeps (barrier.h): longer than the threads'
+# usual lead over each other within a step, far shorter than a scheduler's time slice (docs/performance.md,
+# "Barriers that spin").
+BARRIER_SPIN_NS = 50_000
 
 
 class _Linear(ctypes.Structure):
@@ -71,6 +75,7 @@ class _Step(ctypes.Structure):
         ("block_size", ctypes.c_int64),
         ("table_rows", ctypes.c_void_p),
         ("context_lens", ctypes.c_void_p),
+        ("barrier_spin_ns", ctypes.c_int64),
     ]
 
 
@@ -94,7 +99,7 @@ def _is_llama_norm(module: torch.nn.Module | None) -> bool:
 @dataclass(frozen=True)
 class InvariantDecoder:
     """A model's decoder layers as sl_decoder_layers reads them; `scalar` runs the linear layers' portable
-    variant (the same bits)."""
+    variant (the same bits); `barrier_spin_ns` bounds a thread's spin at a barrier (0: it sleeps at once)."""
 
     library: ctypes.CDLL
     layers: ctypes.Array
@@ -107,6 +112,7 @@ class InvariantDecoder:
     intermediate: int
     scale: float
     scalar: bool = False
+    barrier_spin_ns: int = BARRIER_SPIN_NS
 
     @classmethod
     def of(
@@ -215,6 +221,7 @@ class InvariantDecoder:
             attention.block_size,
             attention.table_rows.data_ptr(),
             attention.context_lens.data_ptr(),
+            self.barrier_spin_ns,
         )
         layers = self.layers
         self.library.sl_decoder_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(step), hidden.data_ptr())

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 _FOLDER = Path(__file__).parent
 _SOURCES = tuple(_FOLDER / name for name in ("invariant.cpp", "decoder.cpp", "moe.cpp", "sampling.cpp", "logprobs.cpp"))
-_HEADERS = (_FOLDER / "invariant.h", _FOLDER / "vector_math.h", _FOLDER / "torch_math.h")
+_HEADERS = (_FOLDER / "invariant.h", _FOLDER / "vector_math.h", _FOLDER / "torch_math.h", _FOLDER / "barrier.h")
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build. -Bsymbolic: a library's calls between its own files stay
 # in it, so two variants loaded in one process (the tests compare them) never call into each other.
