@@ -23,9 +23,12 @@ _LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"
 # Activation classes computing torch's F.silu (transformers' ACT2FN["silu"] is the second).
 _SILUS = ("SiLU", "SiLUActivation")
 # How long a thread spins at one of the step's barriers before it sleeps (barrier.h): longer than the threads'
-# usual lead over each other within a step, far shorter than a scheduler's time slice (docs/performance.md,
-# "Barriers that spin").
+# usual lead over each other within a step, far shorter than a scheduler's time slice; and only in steps of at
+# most BARRIER_SPIN_MAX_TOKENS tokens. Past that a step's work between barriers dwarfs a wake-up, and the
+# cores a spin would hold are the event loop's, which has as many streams to write (docs/performance.md,
+# "Barriers that spin": no gain at 32 streams, a loss at 64).
 BARRIER_SPIN_NS = 50_000
+BARRIER_SPIN_MAX_TOKENS = 16
 
 
 class _Linear(ctypes.Structure):
@@ -221,7 +224,7 @@ class InvariantDecoder:
             attention.block_size,
             attention.table_rows.data_ptr(),
             attention.context_lens.data_ptr(),
-            self.barrier_spin_ns,
+            self.barrier_spin_ns if hidden.shape[0] <= BARRIER_SPIN_MAX_TOKENS else 0,
         )
         layers = self.layers
         self.library.sl_decoder_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(step), hidden.data_ptr())
