@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+# The server's OpenMP wait policy (app/__main__.py), read once when torch loads: the layers measured in this
+# process wait for work as the server's threads do, or they would spin and look faster than it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 import threading
@@ -30,8 +31,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-from pydantic_settings import CliApp
+# The server's OpenMP wait policy (app/__main__.py), read once when torch loads: the layers measured in this
+# process wait for work as the server's threads do, or they would spin and look faster than it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from pydantic_settings import CliApp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

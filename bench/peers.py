@@ -70,8 +70,9 @@ def llama_server() -> Path:
         "download",
         "--quiet",
         "--no-deps",
+        # Only its source: with :all:, pip builds the sdist's build requirements (cmake among them) from source too.
         "--no-binary",
-        ":all:",
+        "llama-cpp-python",
         "-d",
         downloads,
         "llama-cpp-python",
