@@ -34,8 +34,8 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     """Name clients use in the `model` field; defaults to the model folder's name."""
     cache_dir: Path = Field(default_factory=_default_cache_dir)
-    """Where GGUF models' one-time conversion to safetensors (the default model's, a GGUF `--model`'s) and the
-    built kernels are kept."""
+    """Where GGUF models' one-time conversion to safetensors and index of their tensors (the default model's, a
+    GGUF `--model`'s) and the built kernels are kept."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA when present, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -155,7 +155,8 @@ async def level(
         async def stream(index: int) -> list[dict]:
             if repeated:
                 url = image_url(10_000, args.image_size)
-                return [await one(client, base, model, url, f"Question {index}: {QUESTION}", args.max_tokens, ignore_eos)]
+                question = f"Question {index}: {QUESTION}"
+                return [await one(client, base, model, url, question, args.max_tokens, ignore_eos)]
             samples = []
             for k in range(args.requests_per_stream):
                 url = image_url(1 + streams * 1000 + index * 100 + k, args.image_size)

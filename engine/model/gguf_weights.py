@@ -9,13 +9,12 @@ changes no output while each step reads 4.5 bits per weight (Q4_K), 5 (Q4_1), 5.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from engine.kernels.cpu.invariant import WeightForm
+from engine.model.gguf_index import GGUFIndex
 
 _FORMS = {
     GGMLQuantizationType.Q8_0: WeightForm.Q8_0,
@@ -38,17 +37,17 @@ _LAYER_TENSORS = {
 }
 
 
-def shipped_blocks(gguf: Path, hf_model: torch.nn.Module) -> dict[torch.nn.Linear, tuple[WeightForm, torch.Tensor]]:
-    """Each linear layer of `hf_model` (converted from `gguf`) whose GGUF tensor is in a form the kernels
-    read, as (form, blocks [N, K / block weights * block bytes]) in the layer's row order (a GGUF row is whole
-    blocks: llama.cpp writes a k-quant model's tensors whose K is no multiple of 256 in another type); layers
-    named otherwise than Llama's (Phi-3's fused ones) are left out. The caller keeps blocks only where they
-    widen to the converted weights exactly."""
-    reader = GGUFReader(gguf)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    field = reader.fields["general.architecture"]
+def shipped_blocks(
+    gguf: GGUFIndex, hf_model: torch.nn.Module
+) -> dict[torch.nn.Linear, tuple[WeightForm, torch.Tensor]]:
+    """Each linear layer of `hf_model` (converted from the GGUF file `gguf` indexes) whose GGUF tensor is in a
+    form the kernels read, as (form, blocks [N, K / block weights * block bytes]) in the layer's row order (a
+    GGUF row is whole blocks: llama.cpp writes a k-quant model's tensors whose K is no multiple of 256 in another
+    type); layers named otherwise than Llama's (Phi-3's fused ones) are left out. The caller keeps blocks only
+    where they widen to the converted weights exactly."""
+    tensors = gguf.tensors
     # llama.cpp interleaves q's and k's rows per rotary head for Llama's architecture (Mistral's too) alone.
-    interleaved = bytes(field.parts[field.data[0]]).decode() == "llama"
+    interleaved = gguf.architecture == "llama"
     config = hf_model.config
     names = {}
     for index, layer in enumerate(hf_model.model.layers):
@@ -60,14 +59,14 @@ def shipped_blocks(gguf: Path, hf_model: torch.nn.Module) -> dict[torch.nn.Linea
     found = {}
     for module, name in names.items():
         tensor = tensors.get(name)
-        if tensor is None or tensor.tensor_type not in _FORMS:
+        if tensor is None or tensor.type not in _FORMS:
             continue
-        rows = np.asarray(tensor.data)
+        rows = np.asarray(gguf.data(tensor))
         if interleaved and name.endswith("attn_q.weight"):
             rows = _reverse_permute(rows, config.num_attention_heads)
         elif interleaved and name.endswith("attn_k.weight"):
             rows = _reverse_permute(rows, config.num_key_value_heads)
-        found[module] = (_FORMS[tensor.tensor_type], torch.from_numpy(rows.copy()))
+        found[module] = (_FORMS[tensor.type], torch.from_numpy(rows.copy()))
     return found
 
 

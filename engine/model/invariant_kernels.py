@@ -22,6 +22,7 @@ from engine.kernels.cpu.experts import InvariantExperts, PackedExperts, narrowes
 from engine.kernels.cpu.invariant import PackedEmbedding, PackedLinear, WeightForm
 from engine.kernels.cpu.native import kernel_variant, load_library
 from engine.model.causal_lm import PagedCausalLM
+from engine.model.gguf_index import read_gguf_index
 from engine.model.gguf_weights import shipped_blocks
 from engine.model.invariant_tower import cpu_linear_kernel, gpu_linear_kernel, use_invariant_tower
 from engine.model.layers import Fusions
@@ -64,7 +65,7 @@ def use_invariant_kernels(
     library = load_library(cache_dir)
     if library is None:
         return
-    blocks = shipped_blocks(gguf, hf_model) if gguf is not None and quantize is None else {}
+    blocks = shipped_blocks(read_gguf_index(gguf, cache_dir), hf_model) if gguf is not None and quantize is None else {}
     shared = {hf_model.get_input_embeddings().weight.data_ptr()}
     packed = {}
     # The decoder's layers here; a vision tower's below, each on its own kernel in Hugging Face's modules.

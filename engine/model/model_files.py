@@ -3,7 +3,6 @@ reads it, a GGUF file converted once into one, or the embedded default model's G
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -12,7 +11,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.model.families import (
@@ -22,6 +20,7 @@ from engine.model.families import (
     family_for,
     vision_family_for,
 )
+from engine.model.gguf_index import gguf_key, read_gguf_index
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ def model_folder(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     if model is None:
         return convert_gguf(default_model_gguf(), cache_dir), DEFAULT_MODEL_NAME
     if (gguf := gguf_file(model)) is not None:
-        check_gguf(gguf)
+        check_gguf(gguf, cache_dir)
         return convert_gguf(gguf, cache_dir), gguf.stem
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
@@ -58,9 +57,7 @@ def default_model_gguf() -> Path:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF once into a safetensors folder under `cache_dir`; reuse it afterwards."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir / f"{gguf.stem}-{key}"
+    target = cache_dir / f"{gguf.stem}-{gguf_key(gguf)}"
     if (target / _COMPLETE_MARKER).exists():
         return target
     logger.info("converting %s to safetensors in %s (once; later starts reuse it)", gguf.name, target)
@@ -106,19 +103,17 @@ def gguf_file(model: str) -> Path | None:
 _GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path, cache_dir: Path) -> None:
     """Refuses, before converting it, a GGUF file whose architecture no family serves, in one line
     naming the file."""
     try:
-        reader = GGUFReader(path)
+        index = read_gguf_index(path, cache_dir)
     except (ValueError, OSError) as exc:
         raise ModelFolderError(f"{path} is not a GGUF file transformers can read: {exc}") from None
-    field = reader.fields.get("general.architecture")
-    if field is None:
+    architecture = index.architecture
+    if architecture is None:
         raise ModelFolderError(f"{path} has no 'general.architecture'")
-    architecture = bytes(field.parts[field.data[0]]).decode()
-    name_field = reader.fields.get("general.name")
-    name = bytes(name_field.parts[name_field.data[0]]).decode().lower() if name_field is not None else ""
+    name = (index.name or "").lower()
     # llama.cpp writes Mistral as llama; transformers reads a llama file named "mistral" as Mistral.
     model_type = "mistral" if architecture == "llama" and "mistral" in name else architecture
     model_type = _GGUF_MODEL_TYPES.get(model_type, model_type)

@@ -6,15 +6,18 @@ a file of an architecture no family serves is refused before it is converted."""
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine.kernels.cpu.invariant import WeightForm
 from engine.model.families import UnsupportedModelError
+from engine.model.gguf_index import GGUFIndex, gguf_index_file, read_gguf_index
 from engine.model.loader import load_model
 from engine.tiny import tiny_engine, tiny_hf_model
 from engine.types import SamplingParams
@@ -40,8 +43,10 @@ async def _served(path):
         chunks = await collect(engine, PROMPT, params)
     finally:
         engine.shutdown()
-        # The conversion went into the shared cache (beside the built kernels), keyed by this test's file.
+        # The conversion and the index went into the shared cache (beside the built kernels), keyed by this
+        # test's file.
         shutil.rmtree(loaded.path)
+        gguf_index_file(path, CACHE_DIR).unlink()
     return loaded, [(t, lp.logprob) for c in chunks for t, lp in zip(c.token_ids, c.logprobs)]
 
 
@@ -108,4 +113,23 @@ def test_a_gguf_of_an_architecture_no_family_serves_is_refused_before_converting
     writer.close()
     with pytest.raises(UnsupportedModelError, match=f"{path}: GGUF architecture 'bloom'.*not supported"):
         load_model(str(path), tmp_path / "cache", device="cpu", dtype="float32")
-    assert not (tmp_path / "cache").exists()
+    # Its index was kept (the next start reads it instead of the file's metadata); nothing was converted.
+    assert list((tmp_path / "cache").iterdir()) == [gguf_index_file(path, tmp_path / "cache")]
+
+
+def test_the_index_read_back_maps_each_tensor_as_ggufs_reader_does(tmp_path):
+    path = write_gguf(tiny_hf_model("llama"), tmp_path / "tiny-llama.gguf")
+    read = read_gguf_index(path, tmp_path)
+    kept = read_gguf_index(path, tmp_path)
+    assert gguf_index_file(path, tmp_path).is_file() and kept == read
+    assert isinstance(kept, GGUFIndex) and kept.architecture == "llama" and kept.name is not None
+    tensors = gguf.GGUFReader(path).tensors
+    assert sorted(kept.tensors) == sorted(t.name for t in tensors) and len(tensors) > 10
+    for tensor in tensors:
+        mapped = kept.data(kept.tensors[tensor.name])
+        assert kept.tensors[tensor.name].type == tensor.tensor_type
+        assert mapped.dtype == tensor.data.dtype and np.array_equal(mapped, tensor.data)
+    # The file rewritten is another file, whose index is read again.
+    before = gguf_index_file(path, tmp_path)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert gguf_index_file(path, tmp_path) != before

@@ -123,9 +123,10 @@ def test_a_bfloat16_checkpoint_stays_bfloat16_and_a_float32_one_float32(tmp_path
 
 
 def _saved(hf, folder, tokenizer) -> tuple:
+    """load_model's arguments for `hf` saved in `folder`: the session's cache, where the kernels are built."""
     hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return str(folder), folder / "cache", "cpu", "auto", 0, True
+    return str(folder), CACHE_DIR, "cpu", "auto", 0, True
 
 
 def test_a_tied_head_serves_as_the_input_embedding_and_the_checkpoint_is_unmapped(tmp_path, default_tokenizer):
