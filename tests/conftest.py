@@ -42,12 +42,23 @@ def default_tokenizer(request):
     return AutoTokenizer.from_pretrained(folder)
 
 
+# Files that take minutes of this machine's CPU, by marker, and why they skip in a quick run: CI (CI=true) runs
+# them, as does any run that selects by marker (`-m cluster`). The interpreter's only where there is no GPU.
+_CI_ONLY = {
+    "interpreter": "Triton's interpreter takes minutes on a CPU: run with CI=true or -m interpreter",
+    "cluster": "a local Ray cluster takes a minute or two to start on 2 cores: run with CI=true or -m cluster",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without a GPU the Triton kernels' tests run in Triton's interpreter, minutes of CPU: CI (CI=true)
-    runs them, as does any run that selects by marker (`-m interpreter`); elsewhere they skip and say so."""
-    if torch.cuda.is_available() or os.environ.get("CI") == "true" or config.getoption("markexpr"):
+    if os.environ.get("CI") == "true" or config.getoption("markexpr"):
         return
-    skip = pytest.mark.skip(reason="Triton's interpreter takes minutes on a CPU: run with CI=true or -m interpreter")
+    skips = {
+        marker: pytest.mark.skip(reason=reason)
+        for marker, reason in _CI_ONLY.items()
+        if marker != "interpreter" or not torch.cuda.is_available()
+    }
     for item in items:
-        if item.get_closest_marker("interpreter"):
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)

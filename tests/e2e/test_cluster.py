@@ -21,7 +21,7 @@ from tests.conftest import CACHE_DIR
 from tests.e2e.conftest import serve
 
 pytest.importorskip("ray.serve", reason="the cluster needs the `ray` extra")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 FLAGS = ("--max-model-len", "1024", "--kv-cache-gib", "0.05", "--max-num-seqs", "8")
 CLUSTER_FLAGS = ("--replicas", "2", "--replica-cpus", "0.5", "--ingress-replicas", "2", "--shutdown-timeout", "60")

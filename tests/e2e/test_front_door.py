@@ -301,7 +301,7 @@ def start_streams(base: str, max_tokens: list[int]) -> tuple[dict[int, list], li
 
 def test_sigterm_drains_running_streams_then_exits_zero(default_model_path, tmp_path):
     with (tmp_path / "stderr").open("wb") as log:
-        proc, base = start_server("--shutdown-timeout", "10", "--max-num-seqs", "8", stderr=log)
+        proc, base = start_server("--shutdown-timeout", "5", "--max-num-seqs", "8", stderr=log)
     # Four finish inside the timeout, four cannot.
     streams, threads = start_streams(base, [24] * 4 + [4000] * 4)
 
