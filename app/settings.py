@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     kv_cache_gib: float | None = Field(None, gt=0)
     """Memory for the paged KV cache, in GiB. Default: 2 on a CPU; on a GPU, what --gpu-memory-utilization
     leaves once the weights are loaded and a step's activations are set aside."""
+    kv_cache_idle_gib: float | None = Field(None, ge=0)
+    """Of the KV cache, the most that finished requests' cached prefixes keep idle before a new block reuses the
+    least recently used of them instead of a block never used (past it the cache still serves every prefix it
+    holds). A CPU's cache is memory that becomes resident as blocks are first used, so its resident part is what
+    running requests hold at their most plus this. Default: 0.25 on a CPU; on a GPU, whose cache is allocated
+    at start, the whole cache."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """On a GPU, the fraction of its memory Sluice may fill in all (weights, activations, CUDA graphs, KV cache;
     memory other processes hold counts against it), as vLLM's flag; it sizes the KV cache when --kv-cache-gib

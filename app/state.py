@@ -35,7 +35,7 @@ from engine.images import ImageInput
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.loader import LoadedModel, ServedModel, load_model
 from engine.sampling.grammar import GrammarError
-from engine.sizing import choose_sizes, num_kv_blocks
+from engine.sizing import choose_sizes, max_idle_cached_blocks, num_kv_blocks
 from engine.types import GrammarSpec, Reasoning
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,7 @@ def build_engine(settings: Settings) -> tuple[LoadedModel, Engine]:
             f"{num_blocks * settings.block_size} tokens, fewer than max_model_len={max_model_len}; "
             "give it more memory or lower max_model_len"
         )
+    idle_blocks = max_idle_cached_blocks(settings.kv_cache_idle_gib, settings.block_size, loaded.model, draft_model)
     config = EngineConfig(
         max_num_seqs=sizing.max_num_seqs,
         max_num_batched_tokens=sizing.max_num_batched_tokens,
@@ -237,15 +238,18 @@ def build_engine(settings: Settings) -> tuple[LoadedModel, Engine]:
         speculative=speculative,
         jump_forward=settings.jump_forward,
         pinned_kv_seconds=settings.response_kv_ttl,
+        max_idle_cached_blocks=idle_blocks,
         max_pinned_kv_fraction=settings.max_pinned_kv_fraction,
         enforce_eager=settings.enforce_eager,
     )
     logger.info(
-        "KV cache: %d blocks of %d tokens in %.2f GiB (%s); max_model_len %d; up to %d streams and %d tokens a step",
+        "KV cache: %d blocks of %d tokens in %.2f GiB (%s), idle cached prefixes kept in %s before blocks never "
+        "used; max_model_len %d; up to %d streams and %d tokens a step",
         num_blocks,
         settings.block_size,
         sizing.kv_cache_bytes / 2**30,
         sizing.explanation,
+        "all of it" if idle_blocks is None else f"{idle_blocks} blocks",
         max_model_len,
         sizing.max_num_seqs,
         sizing.max_num_batched_tokens,

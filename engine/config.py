@@ -34,6 +34,9 @@ class EngineConfig:
     # the most of the pool pins may hold (the oldest pin goes first past it).
     pinned_kv_seconds: float = 300.0
     max_pinned_kv_fraction: float = 0.25
+    # Free blocks holding cached prefixes kept before a new block reuses one rather than one never handed out
+    # (engine/kv_cache.py); None: as many as the pool has.
+    max_idle_cached_blocks: int | None = None
     # On a GPU, run decode steps eagerly instead of replaying CUDA graphs captured at start-up (still
     # padded to the graphs' batch buckets, so they compute what the graphs would).
     enforce_eager: bool = False

@@ -27,21 +27,39 @@ class BlockManager:
     pool, in release order, and lose their registration only when handed out again, so
     the least recently released go first.
 
+    Which free block a request gets: one that holds no cached prefix (least recently released
+    first), else the least recently released cached one where more than `max_idle_cached_blocks`
+    sit idle, else one never handed out (lowest id first), else the least recently released
+    cached one. A CPU's pool is memory the kernel hands in page by page as it is first written:
+    blocks never handed out cost nothing, so the pool's resident part grows with the blocks
+    running requests hold at once plus the idle cache's bound, not with every block the pool has.
+
     Pins keep a finished request's registered blocks out of the pool (a stored conversation
     whose next turn should find its prefix): a pin holds one reference on each block until it
     expires, is removed, or is the oldest when pins would pass `max_pinned_blocks`.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_pinned_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_pinned_blocks: int = 0,
+        max_idle_cached_blocks: int | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # An ordered set: hand out from the front, release to the back, adopt from anywhere.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # None: the idle cache keeps every block it can before a block never handed out is taken.
+        self.max_idle_cached_blocks = num_blocks if max_idle_cached_blocks is None else max_idle_cached_blocks
+        # Ordered sets of free blocks, released to the back and handed out from the front: those holding a
+        # cached prefix (adopted from anywhere too) and the others; blocks from `_next_untouched` on were
+        # never handed out.
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free_plain: OrderedDict[int, None] = OrderedDict()
+        self._next_untouched = 0
         self._refs: dict[int, int] = {}
         self._cached: dict[int, int] = {}  # prefix hash -> block id
         self._hash_of: dict[int, int] = {}  # block id -> prefix hash
@@ -55,7 +73,12 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free_cached) + len(self._free_plain) + self.num_untouched
+
+    @property
+    def num_untouched(self) -> int:
+        """Blocks never handed out: on a CPU, pool memory not yet resident."""
+        return self.num_blocks - self._next_untouched
 
     @property
     def num_used(self) -> int:
@@ -135,14 +158,14 @@ class BlockManager:
         return -(-(num_cached_blocks * self.block_size + num_new_tokens) // self.block_size) - num_cached_blocks
 
     def _num_in_pool(self, block_ids: list[int]) -> int:
-        return sum(1 for block_id in block_ids if block_id in self._free)
+        return sum(1 for block_id in block_ids if block_id in self._free_cached)
 
     def adopt_prefix(self, request: Request, block_ids: list[int], num_released: int = 0) -> None:
         """Start `request` (holding no blocks) on the cached blocks of its prefix; the first `num_released`
         entries name blocks it does not hold (engine/kv_window.py)."""
         for block_id in block_ids[num_released:]:
-            if block_id in self._free:
-                del self._free[block_id]
+            if block_id in self._free_cached:
+                del self._free_cached[block_id]
                 self._refs[block_id] = 1
             else:
                 self._refs[block_id] += 1
@@ -190,13 +213,13 @@ class BlockManager:
         return max(0, -(-num_slots // self.block_size) - len(request.block_table))
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
     def allocate(self, request: Request, num_new_tokens: int) -> None:
         """Grow `request.block_table` to cover `num_new_tokens` more; ask can_allocate first."""
         needed = self.num_blocks_needed(request, num_new_tokens)
-        if needed > len(self._free):
-            raise RuntimeError(f"allocate() of {needed} blocks with {len(self._free)} free")
+        if needed > self.num_free:
+            raise RuntimeError(f"allocate() of {needed} blocks with {self.num_free} free")
         for _ in range(needed):
             request.block_table.append(self._take())
 
@@ -240,20 +263,26 @@ class BlockManager:
         self._refs[block_id] -= 1
         if not self._refs[block_id]:
             del self._refs[block_id]
-            self._free[block_id] = None
+            (self._free_cached if block_id in self._hash_of else self._free_plain)[block_id] = None
 
     def _take(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
-        prefix_hash = self._hash_of.pop(block_id, None)
-        if prefix_hash is not None:
-            del self._cached[prefix_hash]
+        if self._free_plain:
+            block_id, _ = self._free_plain.popitem(last=False)
+        elif self._free_cached and (len(self._free_cached) > self.max_idle_cached_blocks or not self.num_untouched):
+            block_id, _ = self._free_cached.popitem(last=False)
+            del self._cached[self._hash_of.pop(block_id)]
+        else:
+            block_id = self._next_untouched
+            self._next_untouched += 1
         self._refs[block_id] = 1
         return block_id
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Raise if a block is lost or free twice, or if the block tables of `requests` (every
         live request) do not account for exactly the used blocks and their share counts."""
-        free = set(self._free)
+        free = {*self._free_cached, *self._free_plain, *range(self._next_untouched, self.num_blocks)}
+        if self._free_cached.keys() - self._hash_of.keys() or self._free_plain.keys() & self._hash_of.keys():
+            raise AssertionError("a free block is listed as cached and is not, or the other way")
         if any(self._cached[h] != b for b, h in self._hash_of.items()) or len(self._cached) != len(self._hash_of):
             raise AssertionError("the prefix cache's two maps disagree")
         if free & self._refs.keys():

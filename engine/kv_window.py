@@ -25,10 +25,11 @@ class WindowedBlockManager(BlockManager):
         window: int,
         enable_prefix_caching: bool = True,
         max_pinned_blocks: int = 0,
+        max_idle_cached_blocks: int | None = None,
     ) -> None:
         if window < 1:
             raise ValueError("window must be positive")
-        super().__init__(num_blocks, block_size, enable_prefix_caching, max_pinned_blocks)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, max_pinned_blocks, max_idle_cached_blocks)
         self.window = window
 
     def _first_read(self, num_tokens: int, window: int | None = None) -> int:
@@ -110,10 +111,13 @@ class DraftWindowedBlockManager(WindowedBlockManager):
         draft_window: int,
         enable_prefix_caching: bool = True,
         max_pinned_blocks: int = 0,
+        max_idle_cached_blocks: int | None = None,
     ) -> None:
         if draft_window < 1:
             raise ValueError("draft_window must be positive")
-        super().__init__(num_blocks, block_size, window, enable_prefix_caching, max_pinned_blocks)
+        super().__init__(
+            num_blocks, block_size, window, enable_prefix_caching, max_pinned_blocks, max_idle_cached_blocks
+        )
         self.draft_window = draft_window
 
     def cached_prefix(self, request: Request) -> list[int]:
@@ -147,15 +151,15 @@ def block_manager_for(
 ) -> BlockManager:
     """The windowed manager where every layer slides a window (and every layer of the draft model, given its
     `draft_windows`: it shares the block tables), the plain one otherwise."""
-    max_pinned_blocks = int(config.num_kv_blocks * config.max_pinned_kv_fraction)
+    shared = (
+        config.enable_prefix_caching,
+        int(config.num_kv_blocks * config.max_pinned_kv_fraction),
+        config.max_idle_cached_blocks,
+    )
     window = windowed_reach(windows)
     draft_window = windowed_reach(draft_windows) if draft_windows is not None else None
     if not window or draft_window == 0:
-        return BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, max_pinned_blocks)
+        return BlockManager(config.num_kv_blocks, config.block_size, *shared)
     if draft_window is None:
-        return WindowedBlockManager(
-            config.num_kv_blocks, config.block_size, window, config.enable_prefix_caching, max_pinned_blocks
-        )
-    return DraftWindowedBlockManager(
-        config.num_kv_blocks, config.block_size, window, draft_window, config.enable_prefix_caching, max_pinned_blocks
-    )
+        return WindowedBlockManager(config.num_kv_blocks, config.block_size, window, *shared)
+    return DraftWindowedBlockManager(config.num_kv_blocks, config.block_size, window, draft_window, *shared)

@@ -25,6 +25,7 @@ GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_BATCHED_TOKENS = 256
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_KV_CACHE_GIB = 2.0
+CPU_KV_CACHE_IDLE_GIB = 0.25
 # Bytes per token for the step's rows of logits: float32 logits, the sampler's weights and a copy.
 _LOGITS_COPIES = 3
 # Slack over the tensors a step holds at once: the allocator's rounding and fragmentation.
@@ -123,7 +124,23 @@ def choose_sizes(
 def num_kv_blocks(kv_cache_bytes: int, block_size: int, *models: PagedCausalLM | None) -> int:
     """How many blocks of `block_size` tokens fit in `kv_cache_bytes` for these models' K/V (the
     target and its draft, which has a block for each of the target's)."""
+    return max(1, kv_cache_bytes // _block_bytes(block_size, *models))
+
+
+def max_idle_cached_blocks(
+    kv_cache_idle_gib: float | None, block_size: int, *models: PagedCausalLM | None
+) -> int | None:
+    """The most free blocks holding cached prefixes kept before one is reused instead of a block never used: the
+    flag's GiB, else 0.25 GiB on a CPU (whose pool becomes resident as it is used) and no bound on a GPU (whose
+    pool is allocated at start)."""
+    if kv_cache_idle_gib is None and next(m for m in models if m is not None).device.type == "cuda":
+        return None
+    gib = CPU_KV_CACHE_IDLE_GIB if kv_cache_idle_gib is None else kv_cache_idle_gib
+    return int(gib * 2**30) // _block_bytes(block_size, *models)
+
+
+def _block_bytes(block_size: int, *models: PagedCausalLM | None) -> int:
     per_token = sum(
         KVCache.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.kv_dtype) for m in models if m is not None
     )
-    return max(1, kv_cache_bytes // (per_token * block_size))
+    return per_token * block_size

@@ -105,6 +105,47 @@ def test_released_blocks_stay_cached_until_handed_out_again():
     manager.check_integrity([stranger])
 
 
+def _one_after_another(manager, num_requests, first=0, prompt_len=9):
+    """`num_requests` requests of distinct prompts (the `first`th on), each computed, registered and finished
+    before the next."""
+    requests = [make_request(prompt_len, first_token=1000 * (first + n + 1)) for n in range(num_requests)]
+    for request in requests:
+        computed(manager, request, prompt_len)
+        manager.deallocate(request)
+    manager.check_integrity([])
+    return requests
+
+
+def test_a_light_load_touches_a_small_part_of_the_pool():
+    """Blocks never handed out come last: one request at a time (3 blocks, 2 of them cached as it ends) goes
+    through blocks holding nothing first, then the idle cache past its bound of 4, so of 100 blocks 7 were
+    ever used (3 held at once plus the 4 the idle cache keeps); the most recent prefixes still hit."""
+    manager = BlockManager(num_blocks=100, block_size=4, max_idle_cached_blocks=4)
+    requests = _one_after_another(manager, 50)
+    assert manager.num_untouched == 100 - 7 and manager.num_free == 100
+    assert len(manager.cached_prefix(make_request(9, first_token=requests[-1].prompt_token_ids[0]))) == 2
+    assert manager.cached_prefix(make_request(9, first_token=requests[0].prompt_token_ids[0])) == []
+    # Under load every block is there: a request takes the whole pool, evicting the cached ones.
+    whole = make_request(400, first_token=1)
+    manager.allocate(whole, 400)
+    assert manager.num_free == 0 and manager.num_cached == 0
+    manager.check_integrity([whole])
+
+
+def test_without_a_bound_the_idle_cache_keeps_every_prefix_the_pool_can_hold():
+    """No bound (a GPU's pool, allocated whole): a finished request's blocks stay cached while blocks never
+    used remain; only the blocks holding nothing are reused at once."""
+    manager = BlockManager(num_blocks=100, block_size=4)
+    requests = _one_after_another(manager, 20)
+    assert manager.num_cached == 40 and manager.num_untouched == 100 - 41
+    for request in requests:
+        assert len(manager.cached_prefix(make_request(9, first_token=request.prompt_token_ids[0]))) == 2
+    # Once every block was used, the least recently released cached ones go first.
+    _one_after_another(manager, 60, first=20)
+    assert manager.num_untouched == 0
+    assert manager.cached_prefix(make_request(9, first_token=requests[-1].prompt_token_ids[0])) == []
+
+
 def test_disabled_prefix_caching_never_hits():
     manager = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
     first = make_request(10)

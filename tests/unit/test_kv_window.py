@@ -292,7 +292,7 @@ def test_released_entries_name_the_first_held_block_through_fork_and_deallocate(
     newcomer = make_request(14)
     cached = manager.cached_prefix(newcomer)
     assert cached == [read] * 3
-    assert manager.num_blocks_to_admit(cached, 2) == 2 < BlockManager(12, 4).num_blocks_to_admit(cached, 2)
+    assert manager.num_blocks_to_admit(cached, 2) == 2 < BlockManager.num_blocks_to_admit(manager, cached, 2)
     manager.adopt_prefix(newcomer, cached)
     manager.allocate(newcomer, 2)
     assert newcomer.num_released_blocks == 2 and manager.num_used == 2
