@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from engine.model.causal_lm import PagedCausalLM
-from engine.sizing import choose_sizes, gpu_kv_cache_bytes, graph_pool_bytes, num_kv_blocks, step_activation_bytes
+from engine.sizing import (
+    choose_sizes,
+    gpu_kv_cache_bytes,
+    graph_pool_bytes,
+    max_idle_cached_blocks,
+    num_kv_blocks,
+    step_activation_bytes,
+)
 from engine.tiny import tiny_hf_model
 
 GIB = 2**30
@@ -32,6 +39,13 @@ def model() -> PagedCausalLM:
 @pytest.fixture
 def gpu_model(model) -> PagedCausalLM:
     # The sizing reads only the model's shape and its device: the arithmetic is checked without a GPU.
+    model.device = torch.device("cuda", 0)
+    return model
+
+
+@pytest.fixture
+def gpu_model_copy() -> PagedCausalLM:
+    model = PagedCausalLM(tiny_hf_model())
     model.device = torch.device("cuda", 0)
     return model
 
@@ -89,3 +103,12 @@ def test_blocks_count_the_draft_s_cache_too(model):
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
     assert num_kv_blocks(per_token * 16 * 10, 16, model) == 10
     assert num_kv_blocks(per_token * 16 * 10, 16, model, model) == 5
+
+
+def test_the_idle_cache_is_bounded_on_a_cpu_and_not_on_a_gpu_unless_asked(model, gpu_model_copy):
+    block = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4 * 16
+    assert max_idle_cached_blocks(None, 16, model) == GIB // 4 // block
+    assert max_idle_cached_blocks(0.5, 16, model, model) == GIB // 2 // (2 * block)
+    assert max_idle_cached_blocks(0, 16, model) == 0
+    assert max_idle_cached_blocks(None, 16, gpu_model_copy) is None
+    assert max_idle_cached_blocks(1, 16, gpu_model_copy) == GIB // block
