@@ -40,11 +40,6 @@ class Settings(BaseSettings):
     """auto: CUDA when present, else CPU."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto: bfloat16 on CUDA; float32 on a CPU (with --no-batch-invariant, bfloat16 on CPUs with native bf16)."""
-    int4_max_tokens: int | None = Field(None, ge=0)
-    """Decode steps of at most this many tokens run on int4 copies of the weights (groups of 32, as GGUF
-    Q4_1), up to 1.8x faster on a CPU; prompt tokens and larger steps use --dtype. Default: 16 for the
-    embedded default model on CPUs with AVX-512 under --no-batch-invariant (its weights ship as 4-bit), 0 (off)
-    otherwise; any other value turns batch invariance off."""
     quantize: Literal["none", "q8_0", "q4_1"] = "none"
     """Quantize the weights at load into GGUF's blocks of 32, read by the batch-invariant CPU kernels: q8_0 (8
     bits, about a quarter of float32's bytes) or q4_1 (4 bits, an eighth; the output head as q8_0, as llama.cpp
@@ -70,8 +65,8 @@ class Settings(BaseSettings):
     """The KV cache's element type, as vLLM's flag. auto: the model's (--dtype). On the batch-invariant CPU kernels,
     bfloat16 or float16 halve a float32 model's cache (twice the tokens in --kv-cache-gib): each key and value is
     rounded once as it is stored and widened exactly as it is read, so outputs stay deterministic and
-    batch-invariant, but are not bit-equal to a float32 cache's. Elsewhere (torch's kernels, a GPU,
-    --int4-max-tokens) a type other than the model's is refused at start."""
+    batch-invariant, but are not bit-equal to a float32 cache's. Elsewhere (torch's kernels, a GPU) a type other
+    than the model's is refused at start."""
     kv_cache_gib: float | None = Field(None, gt=0)
     """Memory for the paged KV cache, in GiB. Default: 2 on a CPU; on a GPU, what --gpu-memory-utilization
     leaves once the weights are loaded and a step's activations are set aside."""

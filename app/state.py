@@ -201,7 +201,6 @@ def build_engine(settings: Settings) -> tuple[LoadedModel, Engine]:
         settings.cache_dir,
         settings.device,
         settings.dtype,
-        settings.int4_max_tokens,
         settings.batch_invariant,
         quantize=None if settings.quantize == "none" else settings.quantize,
         kv_cache_dtype=settings.kv_cache_dtype,

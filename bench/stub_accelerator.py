@@ -36,7 +36,7 @@ def install(step_ms: float) -> None:
     cache: dict[tuple[int, int], HeadOutput] = {}
 
     def forward(
-        self: PagedCausalLM, input_ids, positions, meta, kv_cache, logits_indices, allow_int4=True, image_rows=None
+        self: PagedCausalLM, input_ids, positions, meta, kv_cache, logits_indices, image_rows=None, rope_positions=None
     ):
         rows, vocab = logits_indices.shape[0], self.vocab_size
         output = cache.get((rows, vocab))

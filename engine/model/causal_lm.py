@@ -18,7 +18,6 @@ from engine.model.attention.invariant import InvariantMetadata
 from engine.model.attention.paged import AttentionMetadata
 from engine.model.families import decoder_of, family_of, vision_of
 from engine.model.layers import NO_FUSIONS, ExpertsKernel, Fusions, LayerOps, Replacement
-from engine.model.quant import Int4Weight
 
 if TYPE_CHECKING:
     # Triton: on a CPU only in the dev extras, so imported where a GPU uses it.
@@ -47,10 +46,6 @@ class ImageRows:
 class PagedCausalLM:
     """Runs the HF model's modules as its family (engine/model/families/) composes them, with attention
     over the paged cache so requests of any length share one forward.
-
-    With int4 copies of its linear layers (use_int4), a step of at most
-    `int4_max_tokens` tokens runs on those instead of the full-precision weights, unless
-    the caller says it computes prompt tokens.
 
     With the batch-invariant kernels (use_kernels on a CPU, use_gpu_kernels on a GPU), every other
     linear layer and the attention (on a GPU: the norms; its paged attention already is) run on
@@ -82,27 +77,18 @@ class PagedCausalLM:
         # The KV cache's element type: the model's, or a narrower one on the CPU kernels (use_kv_dtype).
         self.kv_dtype = self.dtype
         self.device = hf_model.device
-        self.int4_max_tokens = 0
-        self._int4: dict[torch.nn.Linear, Int4Weight] = {}
         # The batch-invariant kernels' library, or None for torch's kernels.
         self.kernels: ctypes.CDLL | None = None
         self._packed: dict[torch.nn.Linear, PackedLinear | InvariantLinear] = {}
         self._norms: dict[torch.nn.Module, InvariantRMSNorm] = {}
         # The mixture-of-experts blocks on kernels of their own (engine/model/moe.py), by block.
         self._experts: dict[torch.nn.Module, ExpertsKernel] = {}
-        # Kernels doing several ops' work in one launch (the GPU's), in steps that do not run on int4 copies.
+        # Kernels doing several ops' work in one launch (the GPU's).
         self._fusions: Fusions = NO_FUSIONS
         # Every decoder layer in one call of the CPU kernels, where the family's layer is theirs.
         self._decoder: InvariantDecoder | None = None
-        # What each linear layer runs on: in steps of at most int4_max_tokens (the int4 copies first), and in others.
-        self._small_step_linears: Mapping[torch.nn.Module, Replacement] = {}
+        # What each linear layer runs on.
         self._linears: Mapping[torch.nn.Module, Replacement] = {}
-
-    def use_int4(self, weights: dict[torch.nn.Linear, Int4Weight], max_tokens: int) -> None:
-        """Run steps of at most `max_tokens` tokens on these int4 copies of linear layers."""
-        self._int4 = weights
-        self.int4_max_tokens = max_tokens if weights else 0
-        self._replacements_changed()
 
     def use_kernels(
         self,
@@ -121,13 +107,13 @@ class PagedCausalLM:
 
     def use_kv_dtype(self, dtype: torch.dtype) -> None:
         """Keep the KV cache in `dtype` (--kv-cache-dtype). Other than the model's only on the batch-invariant CPU
-        kernels without int4 steps: their attention widens a bfloat16 or float16 cache exactly as it reads it;
+        kernels: their attention widens a bfloat16 or float16 cache exactly as it reads it;
         torch's SDPA and the GPU's kernels would read it as another type, so they refuse."""
-        if dtype != self.dtype and (self.kernels is None or self.int4_max_tokens or dtype not in CACHE_DTYPES):
+        if dtype != self.dtype and (self.kernels is None or dtype not in CACHE_DTYPES):
             raise ValueError(
                 f"--kv-cache-dtype {str(dtype).removeprefix('torch.')} differs from the model's "
-                f"{str(self.dtype).removeprefix('torch.')} and needs the batch-invariant CPU kernels without int4 "
-                "steps (leave out --kv-cache-dtype, or pass the model's type)"
+                f"{str(self.dtype).removeprefix('torch.')} and needs the batch-invariant CPU kernels "
+                "(leave out --kv-cache-dtype, or pass the model's type)"
             )
         self.kv_dtype = dtype
 
@@ -148,7 +134,6 @@ class PagedCausalLM:
 
     def _replacements_changed(self) -> None:
         self._linears = dict(self._packed)
-        self._small_step_linears = {**self._packed, **self._int4}
 
     @property
     def batch_invariant(self) -> bool:
@@ -180,7 +165,6 @@ class PagedCausalLM:
         meta: AttentionMetadata,
         kv_cache: KVCache,
         logits_indices: torch.Tensor,
-        allow_int4: bool = True,
         image_rows: ImageRows | None = None,
         rope_positions: torch.Tensor | None = None,
     ) -> HeadOutput:
@@ -188,18 +172,13 @@ class PagedCausalLM:
         images' embeddings in place of their tokens' (a vision-language model's prompts); `rope_positions`
         [3, T] rotates each token by three positions instead of `positions` (M-RoPE, where a step holds a
         request with images)."""
-        small = allow_int4 and input_ids.shape[0] <= self.int4_max_tokens
-        ops = (
-            LayerOps(self._small_step_linears, self._norms, kv_cache, meta, self._experts)
-            if small
-            else LayerOps(self._linears, self._norms, kv_cache, meta, self._experts, self._fusions)
-        )
+        ops = LayerOps(self._linears, self._norms, kv_cache, meta, self._experts, self._fusions)
         family = self.family
         hidden = family.embed(self.embed_tokens, input_ids)
         if image_rows is not None:
             hidden[image_rows.indices] = image_rows.embeddings.to(hidden.dtype)
         rotary = family.rotary(hidden, positions if rope_positions is None else rope_positions)
-        decoder = None if small or not isinstance(meta, InvariantMetadata) else self._decoder
+        decoder = self._decoder if isinstance(meta, InvariantMetadata) else None
         if decoder is not None and decoder.runs(rotary.cos, kv_cache):
             hidden = decoder(hidden, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, meta.kernel)
         else:

@@ -120,9 +120,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class LayerOps:
     """One forward's way to run a layer's parts: each linear layer, norm and mixture-of-experts block on
-    its replacement where it has one (the batch-invariant kernels, or int4 copies for a small step) else
-    on torch's modules, attention over the paged cache with the step's metadata, and the fused kernels
-    where the step has them."""
+    its replacement where it has one (the batch-invariant kernels) else on torch's modules, attention over the
+    paged cache with the step's metadata, and the fused kernels where the step has them."""
 
     linears: Mapping[torch.nn.Module, Replacement]
     norms: Mapping[torch.nn.Module, Replacement]

@@ -29,7 +29,6 @@ from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.families import (  # noqa: E402
     ModelFolderError,
     vision_family_for,
-    vision_of,
 )
 from engine.model.families.qwen_vl import QwenVLProcessor  # noqa: E402
 from engine.model.invariant_kernels import use_invariant_kernels  # noqa: E402
@@ -39,7 +38,6 @@ from engine.model.model_files import (  # noqa: E402
     model_folder,
     serves_text_part,
 )
-from engine.model.quant import int4_copies, int4_supported  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -96,32 +94,11 @@ def _cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_int4_max_tokens(
-    int4_max_tokens: int | None, default_model: bool, device: torch.device, batch_invariant: bool = False
-) -> int:
-    """None (auto): int4 for decode steps of up to 16 tokens when serving the embedded default
-    model on a CPU with AVX-512, whose weights ship as 4-bit, unless batch-invariant (a token's
-    weights would then depend on the size of its step), else off. Between 16 and 32 tokens
-    the int4 step stops beating bf16 on a 2-core CPU (docs/design/int4.md). On an
-    AVX2-only CPU torch's int4 kernel is slower than float32 at every batch size (docs/design/int4.md: 7.1
-    against 16.8 tok/s at batch 1, 8.4 against 79.2 at batch 8), so auto leaves it off."""
-    if not int4_supported(device):
-        return 0
-    if int4_max_tokens is None:
-        return 16 if default_model and _cpu_has_avx512() and not batch_invariant else 0
-    return int4_max_tokens
-
-
-def _cpu_has_avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
-
-
 def load_model(
     model: str | None,
     cache_dir: Path,
     device: str,
     dtype: str,
-    int4_max_tokens: int | None = 0,
     batch_invariant: bool = False,
     quantize: str | None = None,
     kv_cache_dtype: str = "auto",
@@ -134,9 +111,6 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device, batch_invariant)
     logger.info("loading %s from %s on %s as %s", name, path, torch_device, torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    int4_tokens = resolve_int4_max_tokens(int4_max_tokens, model is None, torch_device, batch_invariant)
-    # Int4 copies are quantized from float32 weights; the serving copies are cast afterwards.
-    load_dtype = torch.float32 if int4_tokens else torch_dtype
     config = AutoConfig.from_pretrained(path)
     vision_family = vision_family_for(config.model_type) if model is not None else None
     vision = vision_family is not None
@@ -144,7 +118,7 @@ def load_model(
     if processor is not None and not tokenizer.chat_template:
         tokenizer.chat_template = processor.chat_template
     auto_model = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    extra = _dequantizing(path, name, load_dtype)
+    extra = _dequantizing(path, name, torch_dtype)
     if model is not None and not vision and serves_text_part(config.to_dict()):
         logger.info(
             "%s: a %s checkpoint's language model (%s) is served, its images are not (its vision tower is not loaded)",
@@ -153,7 +127,7 @@ def load_model(
             config.text_config.model_type,
         )
         extra.update(config=config.text_config, key_mapping=_LANGUAGE_MODEL_KEYS)
-    hf_model, loading = auto_model.from_pretrained(path, dtype=load_dtype, output_loading_info=True, **extra)
+    hf_model, loading = auto_model.from_pretrained(path, dtype=torch_dtype, output_loading_info=True, **extra)
     if loading["missing_keys"]:
         # transformers would fill them with random values and only log it.
         missing = sorted(loading["missing_keys"])
@@ -162,18 +136,10 @@ def load_model(
             + (", ..." if len(missing) > 3 else "")
         )
     hf_model = hf_model.to(torch_device).eval()
-    # The decoder layers only: the output head is where 4 bits cost the most (on the default model,
-    # whose head ships as Q8_0, an int4 head agreed with float32 on the top token 87% of the time
-    # over 1024 positions of text, against 97% for a bf16 head).
-    decoder = vision_of(hf_model).language().model if vision else hf_model.model
-    int4 = int4_copies(decoder, torch_dtype) if int4_tokens else {}
     for parameter in hf_model.parameters():
         # Parameters only: buffers such as the rotary inv_freq keep their float32 precision.
         parameter.data = parameter.data.to(torch_dtype)
     paged = PagedCausalLM(hf_model)
-    paged.use_int4(int4, int4_tokens)
-    if int4:
-        logger.info("int4 weights for steps of up to %d tokens (%d linear layers)", int4_tokens, len(int4))
     if quantize is not None and not batch_invariant:
         raise ValueError(f"--quantize {quantize} needs the batch-invariant kernels (leave out --no-batch-invariant)")
     if batch_invariant:
@@ -182,8 +148,6 @@ def load_model(
         )
         if quantize is not None and paged.kernels is None:
             raise ValueError(f"--quantize {quantize} needs the batch-invariant CPU kernels, which cannot run here")
-        if int4_tokens and paged.kernels is not None:
-            logger.warning("--int4-max-tokens %d: steps that small run int4; batch invariance is off", int4_tokens)
     if kv_cache_dtype != "auto":
         paged.use_kv_dtype(getattr(torch, kv_cache_dtype))
     eos = _eos_token_ids(hf_model.generation_config.eos_token_id, tokenizer)

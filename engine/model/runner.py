@@ -95,11 +95,11 @@ class ModelRunner:
     ) -> bool:
         """Capture decode steps of up to max_num_seqs requests as CUDA graphs (`eager`, --enforce-eager:
         graphs.run_eagerly runs them eagerly, padded alike; tests pass their own `capture`); whether they
-        were: they need the GPU's paged decode kernel, full-precision weights and a family whose forward
+        were: they need the GPU's paged decode kernel and a family whose forward
         a graph can replay."""
         model = self.model
-        if self.gpu_attention is None or model.int4_max_tokens or model.kernels is not None:
-            logger.info("CUDA graphs off: they need the Triton paged decode kernel (a cache block of 16+) and no int4")
+        if self.gpu_attention is None or model.kernels is not None:
+            logger.info("CUDA graphs off: they need the Triton paged decode kernel (a cache block of 16+)")
             return False
         if not model.family.graph_capturable:
             logger.info("CUDA graphs off: this model family's forward cannot be replayed as a graph")
@@ -207,9 +207,6 @@ class ModelRunner:
             meta = TritonMetadata.build(self.gpu_attention, segments, slot_mapping, self.block_size, key_ends)
         else:
             meta = TorchMetadata.build(segments, slot_mapping, self.block_size, key_ends)
-        # Prompt tokens always get the full-precision weights, so a prompt's K/V and first token
-        # never depend on the prefix cache or on what else is in the step.
-        computes_prompt = any(s.start < s.request.num_prompt_tokens for s in segments)
         input_tensor = self._tensor(input_ids)
         if resolve is not None:
             resolve(input_tensor)
@@ -219,7 +216,6 @@ class ModelRunner:
             meta,
             self.kv_cache,
             self._tensor(logits_indices),
-            allow_int4=not computes_prompt,
             image_rows=image_rows,
             rope_positions=rope,
         )

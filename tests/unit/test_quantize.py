@@ -75,4 +75,4 @@ def test_quantize_without_the_batch_invariant_kernels_is_refused(tmp_path, defau
     tiny_hf_model().save_pretrained(tmp_path)
     default_tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="--quantize q8_0 needs the batch-invariant kernels"):
-        load_model(str(tmp_path), tmp_path / "cache", "cpu", "auto", 0, False, quantize="q8_0")
+        load_model(str(tmp_path), tmp_path / "cache", "cpu", "auto", False, quantize="q8_0")

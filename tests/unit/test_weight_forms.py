@@ -126,7 +126,7 @@ def _saved(hf, folder, tokenizer) -> tuple:
     """load_model's arguments for `hf` saved in `folder`: the session's cache, where the kernels are built."""
     hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return str(folder), CACHE_DIR, "cpu", "auto", 0, True
+    return str(folder), CACHE_DIR, "cpu", "auto", True
 
 
 def test_a_tied_head_serves_as_the_input_embedding_and_the_checkpoint_is_unmapped(tmp_path, default_tokenizer):
@@ -150,7 +150,7 @@ def test_a_tied_head_serves_as_the_input_embedding_and_the_checkpoint_is_unmappe
 def test_the_default_models_tied_head_gives_its_float32_embedding_bit_for_bit(default_model_path):
     with safe_open(default_model_path / "model.safetensors", "pt") as checkpoint:
         expected = checkpoint.get_tensor("model.embed_tokens.weight")
-    loaded = load_model(None, CACHE_DIR, "cpu", "auto", None, True)
+    loaded = load_model(None, CACHE_DIR, "cpu", "auto", True)
     embeddings = loaded.model.embed_tokens
     assert isinstance(embeddings, PackedEmbedding)
     assert embeddings.head.form == WeightForm.Q8_0
