@@ -130,10 +130,10 @@ def num_kv_blocks(kv_cache_bytes: int, block_size: int, *models: PagedCausalLM |
 def max_idle_cached_blocks(
     kv_cache_idle_gib: float | None, block_size: int, *models: PagedCausalLM | None
 ) -> int | None:
-    """The most free blocks holding cached prefixes kept before one is reused instead of a block never used: the
-    flag's GiB, else 0.25 GiB on a CPU (whose pool becomes resident as it is used) and no bound on a GPU (whose
-    pool is allocated at start)."""
-    if kv_cache_idle_gib is None and next(m for m in models if m is not None).device.type == "cuda":
+    """For the target model (first) and its draft: the most free blocks holding cached prefixes kept before one
+    is reused instead of a block never used: the flag's GiB, else 0.25 GiB on a CPU (whose pool becomes resident
+    as it is used) and no bound on a GPU (whose pool is allocated at start)."""
+    if kv_cache_idle_gib is None and models[0].device.type == "cuda":
         return None
     gib = CPU_KV_CACHE_IDLE_GIB if kv_cache_idle_gib is None else kv_cache_idle_gib
     return int(gib * 2**30) // _block_bytes(block_size, *models)

@@ -53,35 +53,28 @@ def gguf_index_file(path: Path, cache_dir: Path) -> Path:
 
 def read_gguf_index(path: Path, cache_dir: Path) -> GGUFIndex:
     """The file's index, from `cache_dir` where an earlier start wrote it; else read with gguf's reader (which
-    raises ValueError or OSError on a file it cannot read) and written there."""
+    raises ValueError or OSError on a file it cannot read) and written there first."""
     cached = gguf_index_file(path, cache_dir)
-    if cached.is_file():
-        saved = json.loads(cached.read_text())
-        tensors = {
-            name: GGUFTensor(GGMLQuantizationType(kind), offset, tuple(shape), dtype)
-            for name, (kind, offset, shape, dtype) in saved["tensors"].items()
+    if not cached.is_file():
+        reader = GGUFReader(path)
+        saved = {
+            "architecture": _string(reader, "general.architecture"),
+            "name": _string(reader, "general.name"),
+            "tensors": {
+                t.name: [int(t.tensor_type), t.data_offset, list(t.data.shape), t.data.dtype.str]
+                for t in reader.tensors
+            },
         }
-        return GGUFIndex(path, saved["architecture"], saved["name"], tensors)
-    reader = GGUFReader(path)
-    index = GGUFIndex(
-        path,
-        _string(reader, "general.architecture"),
-        _string(reader, "general.name"),
-        {
-            tensor.name: GGUFTensor(tensor.tensor_type, tensor.data_offset, tensor.data.shape, tensor.data.dtype.str)
-            for tensor in reader.tensors
-        },
-    )
-    saved = {
-        "architecture": index.architecture,
-        "name": index.name,
-        "tensors": {name: [int(t.type), t.offset, list(t.shape), t.dtype] for name, t in index.tensors.items()},
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = cached.with_name(f".{cached.name}.partial-{os.getpid()}")
+        staging.write_text(json.dumps(saved))
+        staging.rename(cached)
+    saved = json.loads(cached.read_text())
+    tensors = {
+        name: GGUFTensor(GGMLQuantizationType(kind), offset, tuple(shape), dtype)
+        for name, (kind, offset, shape, dtype) in saved["tensors"].items()
     }
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = cached.with_name(f".{cached.name}.partial-{os.getpid()}")
-    staging.write_text(json.dumps(saved))
-    staging.rename(cached)
-    return index
+    return GGUFIndex(path, saved["architecture"], saved["name"], tensors)
 
 
 def _string(reader: GGUFReader, key: str) -> str | None:
