@@ -5,6 +5,7 @@ kernels this CPU runs (engine/kernels/cpu/native.py; every variant gives the sam
     python bench/cpu_step.py                              # one call against op by op, 1 and 8 streams
     python bench/cpu_step.py --streams 1 8 32 64 --rounds 10
     python bench/cpu_step.py --variants avx512 avx2-fma   # the variants, each in one call
+    python bench/cpu_step.py --strip-rows 6 16 --streams 8 12 64   # builds widening strips past 6 / 16 rows
 
 Each stream decodes greedily from its own short chat prompt; the ways take turns in blocks of `--steps`
 steps (the order rotating), so a busy machine slows them alike. Reports the median and best milliseconds
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.detokenizer import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from engine.kernels.cpu.native import load_library, runnable_variants  # noqa: E402
+from engine.kernels.cpu.native import choose_variant, load_library, runnable_variants  # noqa: E402
 from engine.model.causal_lm import PagedCausalLM  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from engine.model.runner import Logits, Segment  # noqa: E402
@@ -40,23 +41,38 @@ from engine.tiny import tiny_engine  # noqa: E402
 from engine.types import SamplingParams  # noqa: E402
 
 
-def ways(model: PagedCausalLM, cache_dir: Path, variants: list[str] | None) -> dict[str, Callable[[], None]]:
+def default_variant() -> str:
+    variant = choose_variant()
+    if variant is None:
+        raise SystemExit("this CPU runs no variant of the kernels")
+    return variant.name
+
+
+def ways(
+    model: PagedCausalLM, cache_dir: Path, variants: list[str] | None, strip_rows: list[int] | None
+) -> dict[str, Callable[[], None]]:
     """Name → a function that sets the model up that way: each variant's kernels in one call, or (without
-    `variants`) the default variant in one call and op by op."""
+    `variants`) the default variant in one call and op by op; with `strip_rows`, each variant built to widen
+    strips of weights past that many rows (invariant.cpp's kStripRows), in one call."""
     packed, experts, decoder = dict(model._packed), dict(model._experts), model._decoder
     if decoder is None:
         raise SystemExit("the decoder layers do not run in one call here (no CPU kernels?)")
 
-    def on(variant_name: str, one_call: bool) -> Callable[[], None]:
+    def on(variant_name: str, one_call: bool, rows: int | None = None) -> Callable[[], None]:
         variant = next(v for v in runnable_variants() if v.name == variant_name)
+        if rows is not None:
+            variant = dataclasses.replace(variant, flags=(*variant.flags, f"-DSL_STRIP_ROWS={rows}"))
         library = load_library(cache_dir, variant)
         linears = {module: dataclasses.replace(linear, library=library) for module, linear in packed.items()}
         fused = dataclasses.replace(decoder, library=library) if one_call else None
         return lambda: model.use_kernels(library, linears, experts, fused)
 
+    if strip_rows:
+        names = variants or [default_variant()]
+        return {f"{name}, strips past {rows}": on(name, True, rows) for name in names for rows in strip_rows}
     if variants:
         return {f"{name}, one call": on(name, True) for name in variants}
-    default = runnable_variants()[0].name
+    default = default_variant()
     return {"one call": on(default, True), "op by op": on(default, False)}
 
 
@@ -66,12 +82,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="blocks of steps per way")
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
     parser.add_argument("--variants", nargs="+", help="compare these variants of the kernels, each in one call")
+    parser.add_argument("--strip-rows", type=int, nargs="+", help="compare builds widening strips past these rows")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "sluice"))
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     loaded = load_model(None, Path(args.cache_dir), device="cpu", dtype="auto", batch_invariant=True)
     model = loaded.model
-    setups = ways(model, Path(args.cache_dir), args.variants)
+    setups = ways(model, Path(args.cache_dir), args.variants, args.strip_rows)
     names = list(setups)
     # The prompt, then every way's blocks of steps, each after a step of warm-up.
     tokens_needed = 64 + len(names) * args.rounds * (args.steps + 1)

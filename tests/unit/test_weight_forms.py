@@ -43,7 +43,7 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
     x = torch.randn(300, packed.in_features)
     full = reference(x)
     torch.testing.assert_close(full, x @ weight.T, rtol=1e-4, atol=1e-3)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 255):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17, 64, 255):
         for offset in (0, 45):
             assert torch.equal(packed(x[offset : offset + rows]), full[offset : offset + rows]), (rows, offset)
     few = x[:7] if packed.out_features < 10000 else x[:2]

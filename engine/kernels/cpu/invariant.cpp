@@ -500,6 +500,15 @@ void widen_panels(const uint8_t* wp, int64_t count, int64_t k_dim, float* out) {
     }
 }
 
+// Rows past which a strip of panels is widened into memory once rather than in registers by every row block:
+// writing the strip and reading it back costs about what three blocks of six rows spend widening in
+// registers. A decode step of the default model without strips, on both variants: 11-20% faster at 8 to
+// 12 rows, 4-6% at 16, the same at 20 to 32, 12% slower at 64 (docs/performance.md).
+#ifndef SL_STRIP_ROWS
+#define SL_STRIP_ROWS 16  // a build flag only for bench/cpu_step.py --strip-rows
+#endif
+constexpr int64_t kStripRows = SL_STRIP_ROWS;
+
 // Panels [p_first, p_last) of y[M, N] = x[M, K] @ W.T, on the calling thread; block_max as `linear` says.
 template <class F>
 void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp, int64_t n_dim,
@@ -507,7 +516,7 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
   const int64_t full = n_dim / kPanel;
   const int64_t block_panels = kMaxBlock / kPanel;
   const int64_t num_blocks = ((n_dim + kPanel - 1) / kPanel + block_panels - 1) / block_panels;
-  const bool widen_strips = !scalar && !std::is_same<F, F32>::value && m_dim > 6;
+  const bool widen_strips = !scalar && !std::is_same<F, F32>::value && m_dim > kStripRows;
   std::vector<float> strip(widen_strips ? 4 * k_dim * kPanel : 0);
   for (int64_t p_begin = p_first; p_begin < p_last; p_begin += 4) {
     const int64_t p_end = std::min(p_begin + 4, p_last);
@@ -546,7 +555,7 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
 }
 
 // y[M, N] = x[M, K] @ W.T over a weight packed in form F. Threads split the output columns (never k);
-// each walks its columns four panels at a time, over every row. With more rows than one tile takes, a
+// each walks its columns four panels at a time, over every row. With more than kStripRows rows, a
 // strip of four panels is widened once into float32 in the thread's cache and the float32 tiles run
 // over it, rather than each row block widening it again: the same values, so the same bits.
 // `scalar`: the portable variant, one element at a time.
