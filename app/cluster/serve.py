@@ -60,6 +60,12 @@ class ClusterSettings(Settings):
     fixed --replicas, which an external scaler may change through Ray Serve)."""
     target_ongoing_requests: float = Field(8.0, gt=0)
     """With --max-replicas: the ongoing requests per replica autoscaling aims at."""
+    upscale_delay_s: float = Field(30.0, ge=0)
+    """With --max-replicas: seconds autoscaling must want more replicas before it adds them (Ray Serve's
+    default)."""
+    downscale_delay_s: float = Field(600.0, ge=0)
+    """With --max-replicas: seconds autoscaling must want fewer replicas before it takes one away, which then
+    drains its streams (Ray Serve's default)."""
     ingress_replicas: int = Field(1, ge=1)
     """Ingress replicas (HTTP, tokenizing, streams' logs, stored responses; no weights). Any of them serves
     any request: one holding a stream or response another made forwards it there."""
@@ -136,6 +142,8 @@ def build_app(settings: ClusterSettings) -> Application:
                 initial_replicas=settings.replicas,
                 max_replicas=settings.max_replicas,
                 target_ongoing_requests=settings.target_ongoing_requests,
+                upscale_delay_s=settings.upscale_delay_s,
+                downscale_delay_s=settings.downscale_delay_s,
             )
         }
     )

@@ -154,6 +154,13 @@ def tiny_model_path(tmp_path_factory, default_tokenizer) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_path) -> str:
     """The tiny model behind a real server, generation kept short (8 tokens of output); its whole

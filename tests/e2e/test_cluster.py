@@ -276,13 +276,6 @@ def homed_prompt(tiny_tokenizer, replica: str, replicas: list[str]) -> str:
             return prompt
 
 
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 def long_stream(base: str, prompt: str, events: list[Event], ended: dict[str, float]) -> threading.Thread:
     """A resumable 900-token stream, read on a thread into `events`; `ended["at"]` its end's monotonic time."""
 

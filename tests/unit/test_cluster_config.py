@@ -12,6 +12,8 @@ import yaml
 pytest.importorskip("ray.serve", reason="the cluster needs the `ray` extra")
 
 from pydantic import ValidationError  # noqa: E402
+from pydantic_settings import CliApp  # noqa: E402
+from ray.serve.config import AutoscalingConfig  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from app.cluster.router import block_hashes, engine_stats, home_of, routing_stats  # noqa: E402
@@ -60,6 +62,20 @@ def test_fixed_replicas_without_autoscaling_and_bounds_checked():
     assert power_of_two._bound_deployment._deployment_config.request_router_config.request_router_class.endswith(
         ".PowerOfTwoRouter"
     )
+
+
+def test_the_autoscaling_flags_reach_ray_serve_s_autoscaling_config():
+    flags = ["--max-replicas", "3", "--target-ongoing-requests", "2", "--upscale-delay-s", "1"]
+    settings = CliApp.run(ClusterSettings, cli_args=[*flags, "--downscale-delay-s", "5"])
+    replica = build_app(settings)._bound_deployment.init_args[1]._bound_deployment
+    scaling = replica._deployment_config.autoscaling_config
+    assert (scaling.max_replicas, scaling.target_ongoing_requests) == (3, 2)
+    assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (1, 5)
+    # Unset, they are Ray Serve's own defaults.
+    default = AutoscalingConfig()
+    unset = build_app(ClusterSettings(max_replicas=3))._bound_deployment.init_args[1]._bound_deployment
+    scaling = unset._deployment_config.autoscaling_config
+    assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (default.upscale_delay_s, default.downscale_delay_s)
 
 
 def test_a_prefix_home_is_the_same_everywhere_and_only_a_leaving_replica_s_move():
