@@ -5,6 +5,22 @@ from pathlib import Path
 # and the servers they start do not spin against each other on a few cores. Read when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _has_avx512() -> bool:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= set(flags.split())
+
+
+# Triton's interpreter (below) runs tl.dot on numpy's OpenBLAS. With its Haswell kernels, which this workplace's
+# environment asks for (OPENBLAS_CORETYPE=Haswell), the GPU kernels' bit-for-bit tests in the interpreter (a
+# decode against a chunk's end, images alone against together) failed on an AMD Zen 5: 16 of them; with the
+# SkylakeX kernels, which OpenBLAS picks there by itself, they pass. Read when numpy loads (torch loads it).
+if _has_avx512():
+    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
