@@ -7,6 +7,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _has_avx512() -> bool:
+    # From /proc/cpuinfo, not torch's CPU capability (engine/kernels/cpu/native.py): importing torch loads numpy,
+    # and OpenBLAS reads OPENBLAS_CORETYPE once, as numpy loads it.
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -17,7 +19,7 @@ def _has_avx512() -> bool:
 # Triton's interpreter (below) runs tl.dot on numpy's OpenBLAS. With its Haswell kernels, which this workplace's
 # environment asks for (OPENBLAS_CORETYPE=Haswell), the GPU kernels' bit-for-bit tests in the interpreter (a
 # decode against a chunk's end, images alone against together) failed on an AMD Zen 5: 16 of them; with the
-# SkylakeX kernels, which OpenBLAS picks there by itself, they pass. Read when numpy loads (torch loads it).
+# SkylakeX kernels, which OpenBLAS picks there by itself, they pass.
 if _has_avx512():
     os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
 

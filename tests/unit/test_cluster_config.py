@@ -22,6 +22,11 @@ from app.cluster.serve import INGRESS, REPLICA, ClusterSettings, app_builder, bu
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
+def replica_deployment(application):
+    """The engine replicas' deployment in `application`: the ingress deployment's second argument."""
+    return application._bound_deployment.init_args[1]._bound_deployment
+
+
 def serve_configs() -> list[ServeDeploySchema]:
     kuberay = yaml.safe_load((DEPLOY / "kuberay.yaml").read_text())
     return [
@@ -35,8 +40,8 @@ def test_the_deploy_configs_build_the_application_their_args_describe(config):
     (application,) = config.applications
     assert application.import_path == "app.cluster.serve:app_builder"
     args = application.args
-    ingress = app_builder(args)._bound_deployment
-    replica = ingress.init_args[1]._bound_deployment
+    application = app_builder(args)
+    ingress, replica = application._bound_deployment, replica_deployment(application)
     assert (ingress.name, replica.name) == (INGRESS, REPLICA)
     assert ingress.num_replicas == args["ingress_replicas"]
     assert ingress._deployment_config.request_router_config.request_router_class.endswith("IngressRouter")
@@ -52,29 +57,25 @@ def test_the_deploy_configs_build_the_application_their_args_describe(config):
 
 
 def test_fixed_replicas_without_autoscaling_and_bounds_checked():
-    replica = build_app(ClusterSettings(replicas=3))._bound_deployment.init_args[1]._bound_deployment
+    replica = replica_deployment(build_app(ClusterSettings(replicas=3)))
     assert replica.num_replicas == 3 and replica._deployment_config.autoscaling_config is None
     router = replica._deployment_config.request_router_config
     assert router.request_router_class.endswith(".CacheAwareRouter")
     with pytest.raises(ValidationError, match="between --min-replicas 1 and --max-replicas 2"):
         ClusterSettings(replicas=3, max_replicas=2)
-    power_of_two = build_app(ClusterSettings(request_router="power-of-two"))._bound_deployment.init_args[1]
-    assert power_of_two._bound_deployment._deployment_config.request_router_config.request_router_class.endswith(
-        ".PowerOfTwoRouter"
-    )
+    power_of_two = replica_deployment(build_app(ClusterSettings(request_router="power-of-two")))
+    assert power_of_two._deployment_config.request_router_config.request_router_class.endswith(".PowerOfTwoRouter")
 
 
 def test_the_autoscaling_flags_reach_ray_serve_s_autoscaling_config():
     flags = ["--max-replicas", "3", "--target-ongoing-requests", "2", "--upscale-delay-s", "1"]
     settings = CliApp.run(ClusterSettings, cli_args=[*flags, "--downscale-delay-s", "5"])
-    replica = build_app(settings)._bound_deployment.init_args[1]._bound_deployment
-    scaling = replica._deployment_config.autoscaling_config
+    scaling = replica_deployment(build_app(settings))._deployment_config.autoscaling_config
     assert (scaling.max_replicas, scaling.target_ongoing_requests) == (3, 2)
     assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (1, 5)
     # Unset, they are Ray Serve's own defaults.
     default = AutoscalingConfig()
-    unset = build_app(ClusterSettings(max_replicas=3))._bound_deployment.init_args[1]._bound_deployment
-    scaling = unset._deployment_config.autoscaling_config
+    scaling = replica_deployment(build_app(ClusterSettings(max_replicas=3)))._deployment_config.autoscaling_config
     assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (default.upscale_delay_s, default.downscale_delay_s)
 
 
