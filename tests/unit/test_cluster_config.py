@@ -3,6 +3,7 @@ flags), and the router's home of a prefix: without starting Ray (tests/e2e/test_
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,6 +55,35 @@ def test_the_deploy_configs_build_the_application_their_args_describe(config):
     assert scaling.target_ongoing_requests == args["target_ongoing_requests"]
     assert replica._deployment_config.graceful_shutdown_timeout_s == args["shutdown_timeout"]
     assert replica.ray_actor_options["num_gpus"] == 1
+
+
+def test_the_cluster_s_ray_passes_requests_between_deployments_over_grpc(monkeypatch):
+    """`sluice cluster` sets Ray Serve's gRPC transport in the environment the Ray it starts inherits, unless
+    the operator chose; KubeRay's pods set it for their Ray."""
+    import app.cluster.serve as cluster_serve
+
+    seen: list[str | None] = []
+
+    def init(**_) -> None:
+        seen.append(os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT"))
+        raise RuntimeError("no Ray here")
+
+    monkeypatch.setattr(cluster_serve.ray, "init", init)
+    # Set first, so that the undo at the end restores this process's environment as it was.
+    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")
+    for chosen, expected in ((None, "1"), ("0", "0")):
+        if chosen is None:
+            monkeypatch.delenv("RAY_SERVE_USE_GRPC_BY_DEFAULT")
+        else:
+            monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", chosen)
+        with pytest.raises(RuntimeError, match="no Ray here"):
+            cluster_serve.main(["--replicas", "1"])
+        assert seen[-1] == expected
+    kuberay = yaml.safe_load((DEPLOY / "kuberay.yaml").read_text())["spec"]["rayClusterConfig"]
+    pods = [kuberay["headGroupSpec"], *kuberay["workerGroupSpecs"]]
+    for pod in pods:
+        (container,) = pod["template"]["spec"]["containers"]
+        assert {"name": "RAY_SERVE_USE_GRPC_BY_DEFAULT", "value": "1"} in container["env"]
 
 
 def test_fixed_replicas_without_autoscaling_and_bounds_checked():
