@@ -240,7 +240,9 @@ inline float half_to_float(const uint8_t* halves, int c) { return _cvtsh_ss(((co
 
 // Column c's 4-bit value at k kk of nibbles laid out as kQ4_1's.
 inline int nibble(const uint8_t* nibbles, int kk, int c) { return nibbles[kk / 2 * kPanel + c] >> kk % 2 * 4 & 15; }
-inline void set_nibble(uint8_t* nibbles, int kk, int c, int q) { nibbles[kk / 2 * kPanel + c] |= (uint8_t)(q << kk % 2 * 4); }
+inline void set_nibble(uint8_t* nibbles, int kk, int c, int q) {
+  nibbles[kk / 2 * kPanel + c] |= (uint8_t)(q << kk % 2 * 4);
+}
 
 // Column c's 5-bit field at k kk of fields laid out as kQ5_K's (10 bytes a k, column c's at bits 5c to 5c + 4).
 inline int five(const uint8_t* fields, int kk, int c) {
@@ -400,11 +402,12 @@ struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
 };
 
 // A tile reads its panels as that many streams of a few kilobytes each, a new set every tile: too short for
-// the hardware's prefetchers to follow, so a step's weights came from memory at half its bandwidth. Each
-// group's turn fetches the group four ahead in every panel (past a panel's end, the next panel's first).
-// A decode step at one stream 0.85x the time (Zen 5); 1-row Q4_1 over a weight
-// that misses the caches 1.6x the multiply-adds a second (docs/performance.md). Not for float32 and bfloat16,
-// whose long per-k rows the hardware follows (float32 lost 10% with it).
+// the hardware's prefetchers to follow, so weights that miss the caches (all of a step's) came at half the
+// rate they do from L2. Each group's turn fetches the group about four ahead in every panel (the k-quants'
+// headers make the stride an average; past a panel's end it is the next panel's start). From memory, 1-row
+// Q4_1 1.9x (avx512) and 1.5x (avx2-fma) the multiply-adds a second, a decode step at one stream 0.85x the
+// time (Zen 5, docs/performance.md). Not for float32 and bfloat16, whose long runs a k the hardware follows
+// (float32 lost 10% with it).
 constexpr int64_t kPrefetchGroups = 4;
 template <class F>
 constexpr int64_t kGroupBytes = F::bytes(256) / (256 / F::kGroup);
