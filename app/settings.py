@@ -48,9 +48,9 @@ class Settings(BaseSettings):
     whose input width is not a multiple of 32 stay as they are."""
     batch_invariant: bool = True
     """A request's tokens depend on the request alone (prompt, parameters, seed), not on what shares its batch, the
-    prefix cache, chunking or speculation: float32 linear layers and attention on Sluice's own kernels (x86 CPUs
-    with AVX2, built on first start with the system C++ compiler); on a CUDA GPU, linear layers and RMSNorm on its
-    Triton kernels, in any dtype. --no-batch-invariant uses torch's kernels."""
+    prefix cache, chunking or speculation: float32 linear layers and attention on Sluice's own kernels (Linux on x86
+    CPUs with AVX2 or on AArch64, built on first start with the system C++ compiler); on a CUDA GPU, linear layers
+    and RMSNorm on its Triton kernels, in any dtype. --no-batch-invariant uses torch's kernels."""
     max_num_seqs: int | None = Field(None, ge=1)
     """Most requests decoding together in one step; more wait in the queue. Default: 64 on a CPU, 256 on a GPU."""
     max_num_batched_tokens: int | None = Field(None, ge=16)

@@ -13,7 +13,7 @@
 
 #pragma once
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>

@@ -11,7 +11,7 @@
 // linear layer into a buffer of its own, so no barrier waits on the norm. The six barriers a layer are
 // barrier.h's, which spin a little before they sleep: libgomp's sleep at once under OMP_WAIT_POLICY=PASSIVE.
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

@@ -12,7 +12,7 @@
 // Loaded with ctypes (engine/kernels/cpu/native.py); OpenMP resolves to the libgomp that
 // torch has already loaded, so both share one thread pool.
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

@@ -25,8 +25,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _FOLDER = Path(__file__).parent
-_SOURCES = tuple(_FOLDER / name for name in ("invariant.cpp", "decoder.cpp", "moe.cpp", "sampling.cpp", "logprobs.cpp"))
-_HEADERS = (_FOLDER / "invariant.h", _FOLDER / "vector_math.h", _FOLDER / "torch_math.h", _FOLDER / "barrier.h")
+SOURCES = tuple(_FOLDER / name for name in ("invariant.cpp", "decoder.cpp", "moe.cpp", "sampling.cpp", "logprobs.cpp"))
+_HEADERS = tuple(
+    _FOLDER / name for name in ("invariant.h", "vector_math.h", "torch_math.h", "barrier.h", "intrinsics.h")
+)
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build. -Bsymbolic: a library's calls between its own files stay
 # in it, so two variants loaded in one process (the tests compare them) never call into each other.
@@ -38,30 +40,58 @@ _I = ctypes.c_int64
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """One build of the kernels for one instruction set: its flags, and torch's CPU capabilities
-    (torch.backends.cpu.get_cpu_capability) it runs on. Every variant gives the same bits (each output is
+    """One build of the kernels for one instruction set: its flags, the machines (platform.machine()) and
+    torch's CPU capabilities there (torch.backends.cpu.get_cpu_capability; none named: any) it runs on, and
+    whether it reads x86's intrinsics through SIMDe's headers. Every variant gives the same bits (each output is
     the same chain of roundings; a variant only takes more lanes at once); a faster one goes first in
-    _VARIANTS."""
+    VARIANTS."""
 
     name: str
     flags: tuple[str, ...]
-    capabilities: tuple[str, ...]
+    machines: tuple[str, ...]
+    capabilities: tuple[str, ...] = ()
+    simde: bool = False
 
 
+_X86 = ("x86_64", "AMD64")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 # torch's AVX512 capability is AVX-512 F, BW, VL and DQ; the linear kernel's tiles hold a panel in one register.
-_VARIANTS = (
-    KernelVariant("avx512", (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), ("AVX512", "AMX")),
-    KernelVariant("avx2-fma", _AVX2, ("AVX2", "AVX512", "AMX")),
+# AArch64's baseline has NEON and its fused multiply-add: the neon build takes the avx2-fma source's lanes.
+VARIANTS = (
+    KernelVariant("avx512", (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), _X86, ("AVX512", "AMX")),
+    KernelVariant("avx2-fma", _AVX2, _X86, ("AVX2", "AVX512", "AMX")),
+    KernelVariant("neon", (), ("aarch64", "arm64"), simde=True),
 )
 
 
 def runnable_variants() -> tuple[KernelVariant, ...]:
-    """The variants this CPU runs, in _VARIANTS' order."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    """The variants this CPU runs, in VARIANTS' order (none off Linux: the decoder's barrier waits on futexes)."""
+    if platform.system() != "Linux":
         return ()
     capability = torch.backends.cpu.get_cpu_capability()
-    return tuple(v for v in _VARIANTS if capability.startswith(v.capabilities))
+    return tuple(
+        v
+        for v in VARIANTS
+        if platform.machine() in v.machines and (not v.capabilities or capability.startswith(v.capabilities))
+    )
+
+
+def simde_include() -> str | None:
+    """The folder holding SIMDe's headers (the simde-py package, a dependency on ARM), or None without it."""
+    try:
+        import simde_py
+    except ImportError:
+        return None
+    return simde_py.get_include()
+
+
+def variant_flags(variant: KernelVariant) -> tuple[str, ...] | None:
+    """The compiler flags that build `variant`, or None where what it needs (SIMDe's headers) is missing."""
+    flags = (*_FLAGS, *variant.flags, f'-DSL_VARIANT="{variant.name}"')
+    if not variant.simde:
+        return flags
+    include = simde_include()
+    return None if include is None else (*flags, f"-I{include}")
 
 
 def splits_512_bit_vectors(cpuinfo: str) -> bool:
@@ -86,7 +116,7 @@ def choose_variant() -> KernelVariant | None:
 
 
 def kernels_supported() -> bool:
-    """Whether some variant of the kernels runs on this CPU (today: x86-64 with AVX2 and FMA)."""
+    """Whether some variant of the kernels runs on this CPU (x86-64 with AVX2 and FMA, or AArch64, on Linux)."""
     return choose_variant() is not None
 
 
@@ -127,10 +157,15 @@ def load_library(cache_dir: Path, variant: KernelVariant | None = None) -> ctype
     yet; None (with a warning saying why, once) where they cannot run or cannot be built."""
     variant = variant or choose_variant()
     if variant is None:
-        logger.warning("Sluice's CPU kernels need an x86-64 CPU with AVX2 and FMA; using torch's")
+        logger.warning(
+            "Sluice's CPU kernels need Linux on an x86-64 CPU with AVX2 and FMA or on AArch64; using torch's"
+        )
         return None
-    flags = (*_FLAGS, *variant.flags, f'-DSL_VARIANT="{variant.name}"')
-    target = build_shared_library(cache_dir, "Sluice's CPU kernels (using torch's)", _SOURCES, _HEADERS, flags)
+    flags = variant_flags(variant)
+    if flags is None:
+        logger.warning("Sluice's %s kernels need SIMDe's headers (pip install simde-py); using torch's", variant.name)
+        return None
+    target = build_shared_library(cache_dir, "Sluice's CPU kernels (using torch's)", SOURCES, _HEADERS, flags)
     if target is None:
         return None
     library = bind(ctypes.CDLL(str(target)))

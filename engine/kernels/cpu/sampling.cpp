@@ -16,7 +16,7 @@
 // counter-based ones of engine/sampling/draws.py, so a row's token never depends on its batch,
 // its place in it or the thread that draws it.
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <math.h>
 #include <stdint.h>
 

@@ -13,7 +13,7 @@
 
 #pragma once
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

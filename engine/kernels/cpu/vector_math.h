@@ -3,7 +3,7 @@
 
 #pragma once
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <math.h>
 #include <stdint.h>
 
