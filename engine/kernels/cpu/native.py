@@ -60,7 +60,7 @@ _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 VARIANTS = (
     KernelVariant("avx512", (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), _X86, ("AVX512", "AMX")),
     KernelVariant("avx2-fma", _AVX2, _X86, ("AVX2", "AVX512", "AMX")),
-    KernelVariant("neon", (), ("aarch64", "arm64"), simde=True),
+    KernelVariant("neon", (), ("aarch64",), simde=True),
 )
 
 
