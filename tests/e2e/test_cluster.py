@@ -72,6 +72,19 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
+def actor_gone(actor) -> bool:
+    """Whether the Ray actor `actor` has died (its readiness call fails rather than answering within 1 s)."""
+    import ray
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=1)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False
+    return False
+
+
 def test_the_openai_sdk_streams_through_the_cluster(cluster):
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
     messages = [{"role": "user", "content": "Say something."}]
@@ -300,7 +313,10 @@ def test_the_ids_of_a_killed_ingress_replica_get_410_and_the_cluster_serves_on(c
     held = by_ingress(lambda: finished_stream(cluster))
     victim, completion_id = sorted(held.items())[0]
     name = ReplicaID(victim, DeploymentID(name="SluiceIngress", app_name="sluice")).to_full_id_str()
-    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    actor = ray.get_actor(name, namespace="serve")
+    ray.kill(actor, no_restart=True)
+    # ray.kill returns before the process ends, and until then the replica still answers (a resume: 200).
+    wait_for(lambda: actor_gone(actor), 30, "the killed ingress replica's process gone")
     answers: list[httpx.Response] = []
 
     def resumed_gone() -> bool:
