@@ -135,3 +135,11 @@ def random_blocks(form: WeightForm, out_features: int, in_features: int, seed: i
     where = SCALE_BYTES[form]
     data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
     return torch.from_numpy(data.reshape(out_features, -1).copy())
+
+
+def random_weight_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
+    """What sl_pack packs into `form`: a random float32 or bfloat16 weight [N, K], or random GGUF blocks."""
+    if form in (WeightForm.F32, WeightForm.BF16):
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
+        return weight if form == WeightForm.F32 else weight.bfloat16()
+    return random_blocks(form, out_features, in_features)

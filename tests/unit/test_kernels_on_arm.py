@@ -23,7 +23,7 @@ from engine.kernels.cpu.native import SOURCES, VARIANTS, load_library, variant_f
 from engine.kernels.cpu.sampling import row_settings
 from engine.types import SamplingParams
 from tests.conftest import CACHE_DIR
-from tests.unit.gguf_files import random_blocks
+from tests.unit.gguf_files import random_weight_source
 
 COMPILER = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
@@ -40,7 +40,7 @@ needs_cross = pytest.mark.skipif(
 
 @dataclass(frozen=True)
 class Out:
-    """An output buffer of a recorded call: its bytes in the host's run, and where the AArch64 run writes its."""
+    """A recorded call's output buffer (any other tensor is an input): the host's run writes into it."""
 
     tensor: torch.Tensor
 
@@ -111,20 +111,14 @@ def _replay(driver: Path, calls: Calls) -> None:
         assert path.read_bytes() == expected, f"{path.name} of {line}"
 
 
-def _source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
-    if form in (WeightForm.F32, WeightForm.BF16):
-        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
-        return weight if form == WeightForm.F32 else weight.bfloat16()
-    return random_blocks(form, out_features, in_features).contiguous()
-
-
 @needs_cross
 @pytest.mark.parametrize("form", list(WeightForm), ids=lambda form: form.name)
 def test_the_neon_build_packs_and_multiplies_every_weight_form_with_the_hosts_bits(driver, tmp_path, form):
     out_features, in_features = (96, 512) if BLOCK_WEIGHTS.get(form) == 256 else (80, 160)
     calls = Calls(tmp_path)
     panels = torch.zeros(HOST.sl_packed_bytes(form, out_features, in_features), dtype=torch.uint8)
-    calls("sl_pack", form, _source(form, out_features, in_features), out_features, in_features, Out(panels))
+    source = random_weight_source(form, out_features, in_features)
+    calls("sl_pack", form, source, out_features, in_features, Out(panels))
     x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(out_features))
     blocks = (out_features + 255) // 256
     # Rows across the tile shapes: one, a short tile, past a tile, and past the strips' 16.
