@@ -716,6 +716,27 @@ struct CacheF16 {
   static __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 };
 
+// out = inverse * sum over the window's keys i of scores[i] * value i, each lane's sum in i order. Vecs, where
+// it is not 0, is head_dim / 8 known when compiled (head dims 64 and 128): the accumulators then stay in
+// registers, where a count known only at run time keeps them in memory, a load and a store each multiply-add.
+// The same arithmetic either way, so the same bits.
+template <class C, int Vecs, class E = typename C::Element>
+void weigh_values(int64_t vecs, const E* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size,
+                  int64_t first, int64_t count, const float* scores, float inverse, float* out) {
+  const int64_t n_vecs = Vecs != 0 ? Vecs : vecs;
+  __m256 acc[Vecs != 0 ? Vecs : 32];
+  for (int64_t d = 0; d < n_vecs; ++d) acc[d] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t j = first + i;
+    const int64_t slot = table[j / block_size] * block_size + j % block_size;
+    const E* value = v_cache + slot * slot_stride;
+    const __m256 p = _mm256_set1_ps(scores[i]);
+    for (int64_t d = 0; d < n_vecs; ++d) acc[d] = _mm256_fmadd_ps(p, C::load8(value + d * 8), acc[d]);
+  }
+  const __m256 norm = _mm256_set1_ps(inverse);
+  for (int64_t d = 0; d < n_vecs; ++d) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], norm));
+}
+
 // One query head over keys [first, n) of its request: all n of them, or with a sliding window only
 // the last ones. `softcap` > 0 caps each score at softcap * tanh(score / softcap) (Gemma 2); `sink`
 // (else -inf) is a learned logit that joins the softmax's max and denominator without a value
@@ -782,17 +803,8 @@ void attend(const float* q, int64_t head_dim, const E* k_cache, const E* v_cache
   float sum = hsum(total);
   if (sink != -INFINITY) sum += expf(sink - best);
   const float inverse = 1.0f / sum;
-  __m256 acc[32];
-  for (int64_t d = 0; d < vecs; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t j = first + i;
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const E* value = v_cache + slot * slot_stride;
-    const __m256 p = _mm256_set1_ps(scores[i]);
-    for (int64_t d = 0; d < vecs; ++d) acc[d] = _mm256_fmadd_ps(p, C::load8(value + d * 8), acc[d]);
-  }
-  const __m256 norm = _mm256_set1_ps(inverse);
-  for (int64_t d = 0; d < vecs; ++d) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], norm));
+  const auto weigh = vecs == 8 ? weigh_values<C, 8> : (vecs == 16 ? weigh_values<C, 16> : weigh_values<C, 0>);
+  weigh(vecs, v_cache, slot_stride, table, block_size, first, count, scores, inverse, out);
 }
 
 // Rows rows[i] (all N where rows is null) of the weight [N, K] widened, into w[i].
