@@ -12,7 +12,6 @@ values); the default shape is SmolLM2-135M's: 9 query heads over 3 KV heads of 6
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import time
 from pathlib import Path
@@ -21,8 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernel_builds import add_build_arguments, kernel_builds, print_table_head  # noqa: E402
 from engine.kernels.cpu.invariant import KernelAttentionMetadata, invariant_paged_attention  # noqa: E402
-from engine.kernels.cpu.native import bind, load_library, runnable_variants  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -36,16 +35,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--calls", type=int, default=30, help="calls a trial")
-    parser.add_argument("--library", nargs="*", default=[], help="NAME=PATH: another build of the kernels")
-    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "sluice"))
+    add_build_arguments(parser)
     args = parser.parse_args()
-    builds = {v.name: load_library(Path(args.cache_dir), v) for v in runnable_variants()}
-    for spec in args.library:
-        name, path = spec.split("=", 1)
-        builds[name] = bind(ctypes.CDLL(path))
-    print(f"\n`python {' '.join(sys.argv)}`, {torch.get_num_threads()} threads\n")
-    print(f"| tokens | context | {' | '.join(f'{name} µs' for name in builds)} |")
-    print("|---|---|" + "---|" * len(builds))
+    builds = kernel_builds(args)
+    print_table_head(["tokens", "context"], builds, "µs")
     generator = torch.Generator().manual_seed(0)
     for tokens in args.tokens:
         for context in args.context:

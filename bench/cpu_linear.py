@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernel_builds import add_build_arguments, kernel_builds, print_table_head  # noqa: E402
 from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, PackedLinear, WeightForm  # noqa: E402
-from engine.kernels.cpu.native import bind, load_library, runnable_variants  # noqa: E402
 
 SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
 
@@ -50,16 +50,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="OUTxIN:FORM")
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--library", nargs="*", default=[], help="NAME=PATH: another build of the kernels")
-    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "sluice"))
+    add_build_arguments(parser)
     args = parser.parse_args()
-    builds = {v.name: load_library(Path(args.cache_dir), v) for v in runnable_variants()}
-    for spec in args.library:
-        name, path = spec.split("=", 1)
-        builds[name] = bind(ctypes.CDLL(path))
-    print(f"\n`python {' '.join(sys.argv)}`, {torch.get_num_threads()} threads\n")
-    print(f"| shape | form | rows | {' | '.join(f'{name} GFMA/s' for name in builds)} |")
-    print("|---|---|---|" + "---|" * len(builds))
+    builds = kernel_builds(args)
+    print_table_head(["shape", "form", "rows"], builds, "GFMA/s")
     for spec in args.shapes:
         shape, form_name = spec.split(":")
         out_features, in_features = map(int, shape.split("x"))
