@@ -122,7 +122,7 @@ def test_the_neon_build_packs_and_multiplies_every_weight_form_with_the_hosts_bi
     x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(out_features))
     blocks = (out_features + 255) // 256
     # Rows across the tile shapes: one, a short tile, past a tile, and past the strips' 16.
-    for rows in (1, 3, 7, 17, 40):
+    for rows in (1, 2, 3, 7, 17, 40):
         y = torch.zeros(rows, out_features)
         maxima = torch.zeros(rows, blocks)
         calls("sl_linear", form, 0, x[:rows], rows, in_features, panels, out_features, Out(y), Out(maxima))

@@ -1,6 +1,7 @@
-// Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA, and with AVX-512 (the avx2-fma and avx512
-// variants of native.py: one build each), the linear layer's weights held in the form they ship in (float32,
-// bfloat16, GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks) and widened exactly to float32 in registers.
+// Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA or with AVX-512, and for AArch64's NEON (the
+// avx2-fma, avx512 and neon variants of native.py: one build each), the linear layer's weights held in the form
+// they ship in (float32, bfloat16, GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K blocks) and widened exactly
+// to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "invariant.h"
+#include "lanes.h"
 #include "vector_math.h"
 
 namespace {
@@ -31,108 +33,11 @@ namespace {
 using sluice::exp256;
 using sluice::hsum;
 using sluice::row_max;
+using namespace sluice::lanes;
 
-constexpr int kPanel = 16;  // output columns per packed weight panel: one AVX-512 register, two AVX ones
+constexpr int kPanel = 16;  // output columns per packed weight panel: one Lanes (lanes.h)
 // Columns per block of sl_linear's block maxima: the sampler's block (kBlock in sampling.cpp).
 constexpr int64_t kMaxBlock = 256;
-
-// A panel's 16 float32 lanes in this build's registers, and the few operations the tiles need on them.
-#if defined(__AVX512F__)
-struct Lanes {
-  __m512 v;
-};
-inline Lanes zero_lanes() { return {_mm512_setzero_ps()}; }
-inline Lanes load_lanes(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline void store_lanes(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
-// acc + x * w, one rounding per lane.
-inline Lanes fma_lanes(float x, Lanes w, Lanes acc) { return {_mm512_fmadd_ps(_mm512_set1_ps(x), w.v, acc.v)}; }
-inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline Lanes mul_lanes(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
-inline Lanes halves_to_lanes(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
-// a * b - c, one rounding per lane.
-inline Lanes fms_lanes(Lanes a, Lanes b, Lanes c) { return {_mm512_fmsub_ps(a.v, b.v, c.v)}; }
-inline Lanes uint8s_to_lanes(const uint8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)))};
-}
-inline Lanes int8s_to_lanes(const uint8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
-}
-// 16 bytes holding lane j of one k in byte j's low nibble and of the next k in its high one, as 0.0 .. 15.0:
-// the bytes widened to a lane each, and a permute reads each lane's low 4 bits as the index of its value
-// (no mask, no conversion), then again after a shift for the next k. One load and widening serve two k.
-inline void nibbles_to_lanes(const uint8_t* p, Lanes& even, Lanes& odd) {
-  const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  even = {_mm512_permutexvar_ps(wide, values)};
-  odd = {_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values)};
-}
-// 10 bytes holding lane c's 5-bit value at bits 5c to 5c + 4 (16 bytes read), unsigned or (Signed) in two's
-// complement: a byte shuffle gives each lane the 4 bytes from byte 5c / 8 on, a shift puts bit 5c % 8 + 4 at
-// the top and another (arithmetic where Signed, so extending the sign) the field at the bottom.
-template <bool Signed = false>
-inline Lanes fives_to_lanes(const uint8_t* p) {
-  const __m512i windows = _mm512_shuffle_epi8(
-      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)),
-      _mm512_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403, 0x06050403,
-                        0x07060504, 0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
-                        0x0B0A0908, 0x0C0B0A09));
-  const __m512i shifts = _mm512_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24, 27, 22, 25, 20, 23, 26, 21, 24);
-  const __m512i top = _mm512_sllv_epi32(windows, shifts);
-  return {_mm512_cvtepi32_ps(Signed ? _mm512_srai_epi32(top, 27) : _mm512_srli_epi32(top, 27))};
-}
-#else
-struct Lanes {
-  __m256 lo, hi;
-};
-inline Lanes zero_lanes() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline Lanes load_lanes(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void store_lanes(float* p, Lanes a) {
-  _mm256_storeu_ps(p, a.lo);
-  _mm256_storeu_ps(p + 8, a.hi);
-}
-inline Lanes fma_lanes(float x, Lanes w, Lanes acc) {
-  const __m256 a = _mm256_set1_ps(x);
-  return {_mm256_fmadd_ps(a, w.lo, acc.lo), _mm256_fmadd_ps(a, w.hi, acc.hi)};
-}
-inline Lanes fma_lanes(Lanes a, Lanes b, Lanes c) {
-  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
-}
-inline Lanes mul_lanes(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline Lanes halves_to_lanes(const uint8_t* p) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + 1))};
-}
-inline Lanes fms_lanes(Lanes a, Lanes b, Lanes c) {
-  return {_mm256_fmsub_ps(a.lo, b.lo, c.lo), _mm256_fmsub_ps(a.hi, b.hi, c.hi)};
-}
-inline Lanes uint8s_to_lanes(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p))),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
-}
-inline Lanes int8s_to_lanes(const uint8_t* p) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
-}
-inline void nibbles_to_lanes(const uint8_t* p, Lanes& even, Lanes& odd) {
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-  const __m256i mask = _mm256_set1_epi32(15);
-  even = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask))};
-  odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
-}
-template <bool Signed = false>
-inline Lanes fives_to_lanes(const uint8_t* p) {
-  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
-  const __m256i shifts = _mm256_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24);
-  auto lanes = [&](__m256i windows) {
-    const __m256i top = _mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts);
-    return _mm256_cvtepi32_ps(Signed ? _mm256_srai_epi32(top, 27) : _mm256_srli_epi32(top, 27));
-  };
-  return {lanes(_mm256_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403,
-                                  0x06050403, 0x07060504)),
-          lanes(_mm256_setr_epi32(0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
-                                  0x0B0A0908, 0x0C0B0A09))};
-}
-#endif
 
 // The forms a packed weight's panel holds its 16 columns in, each read one group of k at a time and
 // widened in registers to exactly the float32 values the checkpoint's own conversion gives: so a
@@ -204,10 +109,12 @@ struct SuperBlocks {
 
 // Every form: scales(panel, g), the Scales of group g; widen(group, scales, kk, w), the group's 16 columns at
 // its k kk .. kk + kStep - 1 into w[0 .. kStep) (group: panel + offset(g); kStep 2 where two k share a load
-// and its widening); scalar(panel, k, c), column c at k, the same value.
+// and its widening); scalar(panel, k, c), column c at k, the same value; kScaleLanes, the Lanes of a Scales
+// that the tile uses (panels_for).
 
 struct F32 : Groups<1, kPanel * 4> {
   struct Scales {};
+  static constexpr int kScaleLanes = 0;
   static Scales scales(const uint8_t*, int64_t) { return {}; }
   static void widen(const uint8_t* group, const Scales&, int, Lanes* w) { w[0] = load_lanes((const float*)group); }
   static float scalar(const uint8_t* panel, int64_t k, int c) { return ((const float*)(panel + offset(k)))[c]; }
@@ -215,19 +122,9 @@ struct F32 : Groups<1, kPanel * 4> {
 
 struct BF16 : Groups<1, kPanel * 2> {
   struct Scales {};
+  static constexpr int kScaleLanes = 0;
   static Scales scales(const uint8_t*, int64_t) { return {}; }
-#if defined(__AVX512F__)
-  static void widen(const uint8_t* group, const Scales&, int, Lanes* w) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)group));
-    w[0] = {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
-  }
-#else
-  static __m256 widen8(const uint8_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static void widen(const uint8_t* group, const Scales&, int, Lanes* w) { w[0] = {widen8(group), widen8(group + 16)}; }
-#endif
+  static void widen(const uint8_t* group, const Scales&, int, Lanes* w) { w[0] = bf16s_to_lanes(group); }
   static float scalar(const uint8_t* panel, int64_t k, int c) {
     const uint32_t bits = (uint32_t)((const uint16_t*)(panel + offset(k)))[c] << 16;
     float w;
@@ -261,6 +158,7 @@ struct Q8_0 : Groups<32, kPanel * 2 + 32 * kPanel> {
   struct Scales {
     Lanes d;
   };
+  static constexpr int kScaleLanes = 1;
   static Scales scales(const uint8_t* panel, int64_t g) { return {halves_to_lanes(panel + offset(g))}; }
   static void widen(const uint8_t* group, const Scales& s, int kk, Lanes* w) {
     w[0] = mul_lanes(int8s_to_lanes(group + kPanel * 2 + kk * kPanel), s.d);
@@ -276,6 +174,7 @@ struct Q4_1 : Groups<32, kPanel * 4 + 32 * kPanel / 2> {
   struct Scales {
     Lanes d, m;
   };
+  static constexpr int kScaleLanes = 2;
   static Scales scales(const uint8_t* panel, int64_t g) {
     const uint8_t* group = panel + offset(g);
     return {halves_to_lanes(group), halves_to_lanes(group + kPanel * 2)};
@@ -300,6 +199,7 @@ struct Fives : Groups<32, 32 * 10 + kPanel * (Offset ? 4 : 2)> {
   struct Scales {
     Lanes d, m;  // m: Q5_1's alone
   };
+  static constexpr int kScaleLanes = Offset ? 2 : 1;
   static Scales scales(const uint8_t* panel, int64_t g) {
     const uint8_t* group = panel + Base::offset(g) + kScales;
     return {halves_to_lanes(group), Offset ? halves_to_lanes(group + kPanel * 2) : zero_lanes()};
@@ -330,6 +230,7 @@ struct MinScaled : SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2),
   struct Scales {
     Lanes d, m;  // d * sc and dmin * m
   };
+  static constexpr int kScaleLanes = 2;
   static Scales scales(const uint8_t* panel, int64_t g) {
     const uint8_t* head = panel + Base::header(g);
     const uint8_t* group = panel + Base::offset(g) + kScales;
@@ -362,35 +263,13 @@ struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
   struct Scales {
     Lanes d;  // d * scale
   };
+  static constexpr int kScaleLanes = 1;
   static Scales scales(const uint8_t* panel, int64_t g) {
     return {mul_lanes(halves_to_lanes(panel + header(g)), int8s_to_lanes(panel + offset(g) + kScales))};
   }
   // Reads 16 bytes from k kk's 12: the last k's 4 more are the group's scales.
   static void widen(const uint8_t* group, const Scales& s, int kk, Lanes* w) {
-    const __m128i fields = _mm_loadu_si128((const __m128i*)(group + kk * 12));
-    // Lane c: bytes 6c / 8 onwards, shifted to put bit 6c % 8 + 5 at the top, then arithmetically to the bottom.
-#if defined(__AVX512F__)
-    const __m512i windows = _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(fields),
-        _mm512_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908, 0x0A090807, 0x09080706,
-                         0x09080706, 0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302, 0x04030201,
-                         0x03020100, 0x03020100));
-    const __m512i q = _mm512_srai_epi32(
-        _mm512_sllv_epi32(windows, _mm512_set_epi32(24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26)),
-        26);
-    const Lanes values = {_mm512_cvtepi32_ps(q)};
-#else
-    const __m256i both = _mm256_broadcastsi128_si256(fields);
-    const __m256i shifts = _mm256_set_epi32(24, 22, 20, 26, 24, 22, 20, 26);
-    auto lanes = [&](__m256i windows) {
-      return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts), 26));
-    };
-    const Lanes values = {lanes(_mm256_set_epi32(0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302,
-                                                 0x04030201, 0x03020100, 0x03020100)),
-                          lanes(_mm256_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908,
-                                                 0x0A090807, 0x09080706, 0x09080706))};
-#endif
-    w[0] = mul_lanes(s.d, values);
+    w[0] = mul_lanes(s.d, sixes_to_lanes(group + kk * 12));
   }
   static float scalar(const uint8_t* panel, int64_t k, int c) {
     const uint8_t* group = panel + offset(k / kGroup);
@@ -459,11 +338,18 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
 }
 
 // Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2, 1 x 4; AVX-512's
-// thirty-two registers take 4 panels for any number of rows (up to 24 accumulators).
-template <int Rows>
+// thirty-two registers take 4 panels for any number of rows (up to 24 accumulators). A NEON panel is four of
+// its thirty-two registers, and NEON's arithmetic takes no operand from memory, so there the tile is as wide
+// as its accumulators, its panels' scales and one widened k step fit in 24 registers, the other 8 left to
+// the widening: wider tiles spilled to the stack every k, 1.1x to 1.3x the instructions (Q4_1 at 1 row in 4
+// panels against 1, Q6_K at 3 rows in 2 against 1; docs/performance.md).
+template <class F, int Rows>
 constexpr int panels_for() {
 #if defined(__AVX512F__)
   return 4;
+#elif defined(__aarch64__)
+  auto fits = [](int panels) { return Rows * panels + panels * F::kScaleLanes + F::kStep <= 6; };
+  return fits(4) ? 4 : (fits(2) ? 2 : 1);
 #else
   return Rows >= 4 ? 1 : (Rows >= 2 ? 2 : 4);
 #endif
@@ -472,7 +358,7 @@ constexpr int panels_for() {
 template <class F, int Rows>
 void rows_over_panels(const float* x, int64_t k_dim, const uint8_t* wp, int64_t p_begin, int64_t p_end, float* out,
                       int64_t out_stride) {
-  constexpr int wide = panels_for<Rows>();
+  constexpr int wide = panels_for<F, Rows>();
   const int64_t panel_stride = F::bytes(k_dim);
   int64_t p = p_begin;
   for (; p + wide <= p_end; p += wide)

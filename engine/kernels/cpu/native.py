@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _FOLDER = Path(__file__).parent
 SOURCES = tuple(_FOLDER / name for name in ("invariant.cpp", "decoder.cpp", "moe.cpp", "sampling.cpp", "logprobs.cpp"))
 _HEADERS = tuple(
-    _FOLDER / name for name in ("invariant.h", "vector_math.h", "torch_math.h", "barrier.h", "intrinsics.h")
+    _FOLDER / name for name in ("invariant.h", "lanes.h", "vector_math.h", "torch_math.h", "barrier.h", "intrinsics.h")
 )
 # -ffp-contract=off: the compiler may not fuse or split what the source says, so the
 # arithmetic is the source's on every build. -Bsymbolic: a library's calls between its own files stay
