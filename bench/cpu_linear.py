@@ -18,31 +18,21 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_builds import add_build_arguments, kernel_builds, print_table_head  # noqa: E402
-from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, PackedLinear, WeightForm  # noqa: E402
+from bench.kernel_builds import add_build_arguments, kernel_builds, print_table_head, random_source  # noqa: E402
+from engine.kernels.cpu.invariant import PackedLinear, WeightForm  # noqa: E402
 
 SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
 
 
 def packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
+    source = random_source(form, out_features, in_features)
     if form in (WeightForm.F32, WeightForm.BF16):
-        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
-        return PackedLinear.pack(library, weight if form == WeightForm.F32 else weight.bfloat16())
-    # Blocks of fp16 scales (and offsets) over random quantized bytes.
-    generator = np.random.default_rng(0)
-    count = in_features // BLOCK_WEIGHTS[form]
-    blocks = generator.integers(0, 256, (out_features, count, BLOCK_BYTES[form]), dtype=np.uint8)
-    where = SCALE_BYTES[form]
-    halves = (where.stop - where.start) // 2
-    scales = (generator.standard_normal((out_features, count, halves)) * 0.05).astype(np.float16)
-    blocks[..., where] = scales.view(np.uint8)
-    weights = torch.from_numpy(blocks.reshape(out_features, -1))
-    return PackedLinear.pack_blocks(library, form, weights, out_features, in_features)
+        return PackedLinear.pack(library, source)
+    return PackedLinear.pack_blocks(library, form, source, out_features, in_features)
 
 
 def main() -> None:

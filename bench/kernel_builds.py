@@ -8,8 +8,10 @@ import ctypes
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, WeightForm
 from engine.kernels.cpu.native import bind, load_library, runnable_variants
 
 
@@ -25,6 +27,22 @@ def kernel_builds(args: argparse.Namespace) -> dict[str, ctypes.CDLL]:
         name, path = spec.split("=", 1)
         builds[name] = bind(ctypes.CDLL(path))
     return builds
+
+
+def random_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
+    """What sl_pack packs into `form`: a random float32 or bfloat16 weight [N, K], or rows of GGUF blocks (random
+    fp16 scales and offsets over random quantized bytes) as uint8."""
+    if form in (WeightForm.F32, WeightForm.BF16):
+        weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+        return weight if form == WeightForm.F32 else weight.bfloat16()
+    generator = np.random.default_rng(0)
+    count = in_features // BLOCK_WEIGHTS[form]
+    blocks = generator.integers(0, 256, (out_features, count, BLOCK_BYTES[form]), dtype=np.uint8)
+    where = SCALE_BYTES[form]
+    halves = (where.stop - where.start) // 2
+    scales = (generator.standard_normal((out_features, count, halves)) * 0.05).astype(np.float16)
+    blocks[..., where] = scales.view(np.uint8)
+    return torch.from_numpy(blocks.reshape(out_features, -1))
 
 
 def print_table_head(columns: list[str], builds: dict[str, ctypes.CDLL], unit: str) -> None:
