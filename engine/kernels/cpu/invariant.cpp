@@ -450,8 +450,15 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
       base = (const uint8_t*)strip.data();
       stride = panel_bytes<F32>(k_dim);
     }
+    // The next strip's weights, fetched into L2 a share before each row block: the widening reads them from
+    // there rather than waiting on memory between blocks that compute from the cache.
+    const uint8_t* next = wp + p_end * panel_bytes<F>(k_dim);
+    const int64_t next_bytes = widen_strips ? (std::min(p_end + 4, p_last) - p_end) * panel_bytes<F>(k_dim) : 0;
+    const int64_t share = (next_bytes / ((m_dim + 5) / 6) + 63) / 64 * 64;
     for (int64_t m = 0; m < m_dim; m += 6) {
       const int rows = (int)std::min<int64_t>(6, m_dim - m);
+      for (int64_t line = m / 6 * share; line < std::min(next_bytes, (m / 6 + 1) * share); line += 64)
+        _mm_prefetch((const char*)next + line, _MM_HINT_T1);
       if (p_begin < p_full)
         block(rows, x + m * k_dim, k_dim, base, 0, p_full - p_begin, y + m * n_dim + p_begin * kPanel, n_dim);
       if (p_full < p_end) {
