@@ -53,31 +53,34 @@ inline void nibbles_to_lanes(const uint8_t* p, Lanes& even, Lanes& odd) {
   even = {_mm512_permutexvar_ps(wide, values)};
   odd = {_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), values)};
 }
-// 10 bytes holding lane c's 5-bit value at bits 5c to 5c + 4 (16 bytes read), unsigned or (Signed) in two's
-// complement: a byte shuffle gives each lane the 4 bytes from byte 5c / 8 on, a shift puts bit 5c % 8 + 4 at
-// the top and another (arithmetic where Signed, so extending the sign) the field at the bottom.
+// Fields of `Bits` bits, lane c's at bits Bits * c to Bits * c + Bits - 1 of the 16 bytes at p, unsigned or
+// (Signed) in two's complement: a byte shuffle gives each lane the 4 bytes from byte Bits * c / 8 on
+// (`windows`), a shift left by the lane's `shifts` puts the field's top bit at bit 31, and a shift right by
+// 32 - Bits (arithmetic where Signed, so extending the sign) brings it down.
+template <int Bits, bool Signed>
+inline Lanes fields_to_lanes(const uint8_t* p, __m512i windows, __m512i shifts) {
+  const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
+  const __m512i top = _mm512_sllv_epi32(_mm512_shuffle_epi8(bytes, windows), shifts);
+  return {_mm512_cvtepi32_ps(Signed ? _mm512_srai_epi32(top, 32 - Bits) : _mm512_srli_epi32(top, 32 - Bits))};
+}
+// 10 bytes holding lane c's 5-bit value at bits 5c to 5c + 4 (16 bytes read).
 template <bool Signed = false>
 inline Lanes fives_to_lanes(const uint8_t* p) {
-  const __m512i windows = _mm512_shuffle_epi8(
-      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)),
+  return fields_to_lanes<5, Signed>(
+      p,
       _mm512_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403, 0x06050403,
                         0x07060504, 0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
-                        0x0B0A0908, 0x0C0B0A09));
-  const __m512i shifts = _mm512_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24, 27, 22, 25, 20, 23, 26, 21, 24);
-  const __m512i top = _mm512_sllv_epi32(windows, shifts);
-  return {_mm512_cvtepi32_ps(Signed ? _mm512_srai_epi32(top, 27) : _mm512_srli_epi32(top, 27))};
+                        0x0B0A0908, 0x0C0B0A09),
+      _mm512_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24, 27, 22, 25, 20, 23, 26, 21, 24));  // 27 - 5c % 8
 }
-// 12 bytes holding lane c's 6-bit two's complement value at bits 6c to 6c + 5 (16 bytes read): as
-// fives_to_lanes, each lane's 4 bytes from byte 6c / 8 on, shifted to put bit 6c % 8 + 5 at the top, then
-// arithmetically to the bottom.
+// 12 bytes holding lane c's 6-bit two's complement value at bits 6c to 6c + 5 (16 bytes read).
 inline Lanes sixes_to_lanes(const uint8_t* p) {
-  const __m512i windows = _mm512_shuffle_epi8(
-      _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)),
+  return fields_to_lanes<6, true>(
+      p,
       _mm512_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908, 0x0A090807, 0x09080706,
                        0x09080706, 0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302, 0x04030201,
-                       0x03020100, 0x03020100));
-  const __m512i shifts = _mm512_set_epi32(24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26);
-  return {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sllv_epi32(windows, shifts), 26))};
+                       0x03020100, 0x03020100),
+      _mm512_set_epi32(24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26, 24, 22, 20, 26));  // 26 - 6c % 8
 }
 #elif defined(__aarch64__)
 struct Lanes {
@@ -133,10 +136,7 @@ inline void nibbles_to_lanes(const uint8_t* p, Lanes& even, Lanes& odd) {
   even = widen_uint8s(vandq_u8(b, vdupq_n_u8(15)));
   odd = widen_uint8s(vshrq_n_u8(b, 4));
 }
-// Fields of `Bits` bits, lane c's at bits Bits * c to Bits * c + Bits - 1 of the 16 bytes at p: a table lookup
-// gives each lane the 4 bytes from byte Bits * c / 8 on (windows, 4 a lane), a shift left by the lane's
-// `shifts` (one a lane) puts the field's top bit at bit 31, and a shift right by 32 - Bits (arithmetic where
-// Signed) brings it down.
+// As AVX-512's: a table lookup gives each lane its 4 bytes (windows, 4 a lane), then the two shifts.
 template <int Bits, bool Signed>
 inline Lanes fields_to_lanes(const uint8_t* p, const uint8_t* windows, const int32_t* shifts) {
   const uint8x16_t bytes = vld1q_u8(p);
@@ -209,29 +209,32 @@ inline void nibbles_to_lanes(const uint8_t* p, Lanes& even, Lanes& odd) {
   even = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask))};
   odd = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
 }
+// As AVX-512's, each half of the lanes shuffled from the same 16 bytes (the shifts repeat every 8 lanes).
+template <int Bits, bool Signed>
+inline Lanes fields_to_lanes(const uint8_t* p, __m256i windows_lo, __m256i windows_hi, __m256i shifts) {
+  const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  auto lanes = [&](__m256i windows) {
+    const __m256i top = _mm256_sllv_epi32(_mm256_shuffle_epi8(bytes, windows), shifts);
+    return _mm256_cvtepi32_ps(Signed ? _mm256_srai_epi32(top, 32 - Bits) : _mm256_srli_epi32(top, 32 - Bits));
+  };
+  return {lanes(windows_lo), lanes(windows_hi)};
+}
 template <bool Signed = false>
 inline Lanes fives_to_lanes(const uint8_t* p) {
-  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
-  const __m256i shifts = _mm256_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24);
-  auto lanes = [&](__m256i windows) {
-    const __m256i top = _mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts);
-    return _mm256_cvtepi32_ps(Signed ? _mm256_srai_epi32(top, 27) : _mm256_srli_epi32(top, 27));
-  };
-  return {lanes(_mm256_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302, 0x06050403,
-                                  0x06050403, 0x07060504)),
-          lanes(_mm256_setr_epi32(0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807, 0x0B0A0908,
-                                  0x0B0A0908, 0x0C0B0A09))};
+  return fields_to_lanes<5, Signed>(p,
+                                    _mm256_setr_epi32(0x03020100, 0x03020100, 0x04030201, 0x04030201, 0x05040302,
+                                                      0x06050403, 0x06050403, 0x07060504),
+                                    _mm256_setr_epi32(0x08070605, 0x08070605, 0x09080706, 0x09080706, 0x0A090807,
+                                                      0x0B0A0908, 0x0B0A0908, 0x0C0B0A09),
+                                    _mm256_setr_epi32(27, 22, 25, 20, 23, 26, 21, 24));
 }
 inline Lanes sixes_to_lanes(const uint8_t* p) {
-  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
-  const __m256i shifts = _mm256_set_epi32(24, 22, 20, 26, 24, 22, 20, 26);
-  auto lanes = [&](__m256i windows) {
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(_mm256_shuffle_epi8(both, windows), shifts), 26));
-  };
-  return {lanes(_mm256_set_epi32(0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302, 0x04030201,
-                                 0x03020100, 0x03020100)),
-          lanes(_mm256_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908, 0x0A090807,
-                                 0x09080706, 0x09080706))};
+  return fields_to_lanes<6, true>(p,
+                                  _mm256_set_epi32(0x08070605, 0x07060504, 0x06050403, 0x06050403, 0x05040302,
+                                                   0x04030201, 0x03020100, 0x03020100),
+                                  _mm256_set_epi32(0x0E0D0C0B, 0x0D0C0B0A, 0x0C0B0A09, 0x0C0B0A09, 0x0B0A0908,
+                                                   0x0A090807, 0x09080706, 0x09080706),
+                                  _mm256_set_epi32(24, 22, 20, 26, 24, 22, 20, 26));
 }
 #endif
 
