@@ -50,10 +50,24 @@ def build(tree: Path, target: Path) -> None:
 
 def instructions(driver: Path, manifest: Path) -> int:
     """AArch64 instructions the driver runs over `manifest`, start-up and exit included."""
-    command = f"{QEMU} -L {SYSROOT} -singlestep -d nochain,exec -D /dev/stdout {driver} {manifest} | grep -c '^Trace'"
-    result = subprocess.run(
-        command, shell=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    # qemu 8.1 renamed -singlestep (removed in 9.0) to -one-insn-per-tb.
+    one_per_block = (
+        "-one-insn-per-tb"
+        if "one-insn-per-tb" in subprocess.run([QEMU, "--help"], capture_output=True, text=True).stdout
+        else "-singlestep"
     )
+    command = (
+        f"{QEMU} -L {SYSROOT} {one_per_block} -d nochain,exec -D /dev/stdout {driver} {manifest} | grep -c '^Trace'"
+    )
+    # pipefail: a driver that fails (or a qemu that logs nothing, which grep -c answers with 1) stops the bench.
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if result.returncode != 0:
+        sys.exit(f"{command} failed ({result.returncode}): {result.stderr[-2000:]}")
     return int(result.stdout)
 
 
@@ -66,39 +80,43 @@ def main() -> None:
     args = parser.parse_args()
     out_features, in_features = map(int, args.shape.split("x"))
     trees = {"this": ROOT, **{name: Path(path) for name, path in (spec.split("=", 1) for spec in args.tree)}}
-    host = load_library(Path.home() / ".cache" / "sluice", runnable_variants()[0])
-    folder = Path(tempfile.mkdtemp(prefix="arm-instructions-"))
-    drivers = {}
-    for name, tree in trees.items():
-        drivers[name] = folder / f"driver-{name}"
-        build(tree, drivers[name])
+    variants = runnable_variants()
+    host = load_library(Path.home() / ".cache" / "sluice", variants[0]) if variants else None
+    if host is None:
+        sys.exit("this machine's own build of the kernels is needed to pack the weights")
+    with tempfile.TemporaryDirectory(prefix="arm-instructions-") as scratch:
+        folder = Path(scratch)
+        drivers = {}
+        for name, tree in trees.items():
+            drivers[name] = folder / f"driver-{name}"
+            build(tree, drivers[name])
 
-    print(f"\n`python {' '.join(sys.argv)}`: AArch64 instructions a call, {out_features}x{in_features} weight\n")
-    print(f"| form | rows | {' | '.join(trees)} |")
-    print("|" + "---|" * (2 + len(trees)))
-    for form_name in args.forms:
-        form = WeightForm[form_name]
-        source = random_source(form, out_features, in_features)
-        packed = (
-            PackedLinear.pack(host, source)
-            if form in (WeightForm.F32, WeightForm.BF16)
-            else PackedLinear.pack_blocks(host, form, source, out_features, in_features)
-        )
-        (folder / "panels").write_bytes(packed.panels.numpy().tobytes())
-        for rows in args.rows:
-            x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-            (folder / "x").write_bytes(x.numpy().tobytes())
-            call = (
-                f"sl_linear i:{int(form)} i:0 in:{folder / 'x'} i:{rows} i:{in_features} in:{folder / 'panels'} "
-                f"i:{out_features} out:{rows * out_features * 4}:{folder / 'y'} null"
+        print(f"\n`python {' '.join(sys.argv)}`: AArch64 instructions a call, {out_features}x{in_features} weight\n")
+        print(f"| form | rows | {' | '.join(trees)} |")
+        print("|" + "---|" * (2 + len(trees)))
+        for form_name in args.forms:
+            form = WeightForm[form_name]
+            source = random_source(form, out_features, in_features)
+            packed = (
+                PackedLinear.pack(host, source)
+                if form in (WeightForm.F32, WeightForm.BF16)
+                else PackedLinear.pack_blocks(host, form, source, out_features, in_features)
             )
-            counts = []
-            for name, driver in drivers.items():
-                once, thrice = folder / "once", folder / "thrice"
-                once.write_text(call + "\n")
-                thrice.write_text((call + "\n") * 3)
-                counts.append((instructions(driver, thrice) - instructions(driver, once)) // 2)
-            print(f"| {form_name} | {rows} | {' | '.join(f'{count:,}' for count in counts)} |", flush=True)
+            (folder / "panels").write_bytes(packed.panels.numpy().tobytes())
+            for rows in args.rows:
+                x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+                (folder / "x").write_bytes(x.numpy().tobytes())
+                call = (
+                    f"sl_linear i:{int(form)} i:0 in:{folder / 'x'} i:{rows} i:{in_features} in:{folder / 'panels'} "
+                    f"i:{out_features} out:{rows * out_features * 4}:{folder / 'y'} null"
+                )
+                counts = []
+                for name, driver in drivers.items():
+                    once, thrice = folder / "once", folder / "thrice"
+                    once.write_text(call + "\n")
+                    thrice.write_text((call + "\n") * 3)
+                    counts.append((instructions(driver, thrice) - instructions(driver, once)) // 2)
+                print(f"| {form_name} | {rows} | {' | '.join(f'{count:,}' for count in counts)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -120,9 +120,10 @@ int main(int argc, char** argv) {
         std::ifstream file(word.substr(3), std::ios::binary | std::ios::ate);
         if (!file) fail("cannot read " + word.substr(3));
         const std::streamsize size = file.tellg();
+        if (size < 0) fail("cannot size " + word.substr(3));
         inputs.emplace_back(new char[size]);
         file.seekg(0);
-        file.read(inputs.back().get(), size);
+        if (!file.read(inputs.back().get(), size)) fail("cannot read " + word.substr(3));
         arg.p = inputs.back().get();
       } else if (word.rfind("out:", 0) == 0) {
         const size_t colon = word.find(':', 4);

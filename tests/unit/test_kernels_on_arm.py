@@ -1,6 +1,7 @@
-"""The neon variant of the CPU kernels (AArch64: x86's intrinsics through SIMDe) gives the host's bits: the same
-calls, on the same inputs, run in the host's build and in an AArch64 build of the kernels under qemu-aarch64
-(tests/unit/kernel_driver.cpp replays them), and every output compared byte for byte.
+"""The neon variant of the CPU kernels (AArch64: the linear tiles in NEON, the rest x86's intrinsics through
+SIMDe) gives the host's bits: the same calls, on the same inputs, run in the host's build and in an AArch64 build
+of the kernels under qemu-aarch64 (tests/unit/kernel_driver.cpp replays them), and every output compared byte for
+byte.
 
 Needs a cross compiler and qemu-user (`make test` installs them on Debian as root: crossbuild-essential-arm64,
 qemu-user) and SIMDe's headers (simde-py, a dev dependency); skips without them."""
@@ -121,7 +122,8 @@ def test_the_neon_build_packs_and_multiplies_every_weight_form_with_the_hosts_bi
     calls("sl_pack", form, source, out_features, in_features, Out(panels))
     x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(out_features))
     blocks = (out_features + 255) // 256
-    # Rows across the tile shapes: one, a short tile, past a tile, and past the strips' 16.
+    # Rows across the tile shapes (NEON's differ from x86's: 1 row in 1, 2 or 4 panels by form, 2 rows in 1 or 2):
+    # one, two, a short tile, past a tile, and past the strips' 16.
     for rows in (1, 2, 3, 7, 17, 40):
         y = torch.zeros(rows, out_features)
         maxima = torch.zeros(rows, blocks)

@@ -1,6 +1,7 @@
-// The x86 vector intrinsics the kernels are written in: the compiler's own on x86-64, and on ARM (AArch64) SIMDe's
-// translation of the same names into NEON, so one source gives every variant and the same bits: each intrinsic is
-// IEEE arithmetic with one rounding per lane (fused multiply-adds stay fused, vfmaq_f32) whatever it runs on.
+// The x86 vector intrinsics the kernels are written in (all but the linear kernel's tiles on ARM, which lanes.h
+// writes in NEON): the compiler's own on x86-64, and on ARM (AArch64) SIMDe's translation of the same names into
+// NEON, so one source gives every variant and the same bits: each intrinsic is IEEE arithmetic with one rounding
+// per lane (fused multiply-adds stay fused, vfmaq_f32) whatever it runs on.
 
 #pragma once
 

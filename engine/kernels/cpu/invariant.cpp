@@ -454,7 +454,8 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
     // there rather than waiting on memory between blocks that compute from the cache.
     const uint8_t* next = wp + p_end * panel_bytes<F>(k_dim);
     const int64_t next_bytes = widen_strips ? (std::min(p_end + 4, p_last) - p_end) * panel_bytes<F>(k_dim) : 0;
-    const int64_t share = widen_strips ? (next_bytes / ((m_dim + 5) / 6) + 63) / 64 * 64 : 0;
+    const int64_t row_blocks = (m_dim + 5) / 6;
+    const int64_t share = widen_strips ? ((next_bytes + row_blocks - 1) / row_blocks + 63) / 64 * 64 : 0;
     for (int64_t m = 0; m < m_dim; m += 6) {
       const int rows = (int)std::min<int64_t>(6, m_dim - m);
       for (int64_t line = m / 6 * share; line < std::min(next_bytes, (m / 6 + 1) * share); line += 64)

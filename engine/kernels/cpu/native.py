@@ -56,7 +56,8 @@ class KernelVariant:
 _X86 = ("x86_64", "AMD64")
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 # torch's AVX512 capability is AVX-512 F, BW, VL and DQ; the linear kernel's tiles hold a panel in one register.
-# AArch64's baseline has NEON and its fused multiply-add: the neon build takes the avx2-fma source's lanes.
+# AArch64's baseline has NEON and its fused multiply-add: the neon build's linear tiles are NEON's own (lanes.h),
+# the rest reads the x86 intrinsics through SIMDe.
 VARIANTS = (
     KernelVariant("avx512", (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), _X86, ("AVX512", "AMX")),
     KernelVariant("avx2-fma", _AVX2, _X86, ("AVX2", "AVX512", "AMX")),
