@@ -16,6 +16,7 @@ One thread (OMP_NUM_THREADS=1).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -26,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_builds import random_source  # noqa: E402
-from engine.kernels.cpu.invariant import PackedLinear, WeightForm  # noqa: E402
+from bench.kernel_builds import random_packed  # noqa: E402
+from engine.kernels.cpu.invariant import WeightForm  # noqa: E402
 from engine.kernels.cpu.native import VARIANTS, load_library, runnable_variants, variant_flags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,17 +49,17 @@ def build(tree: Path, target: Path) -> None:
     subprocess.run([COMPILER, *flags, *map(str, sources), "-o", str(target)], check=True)
 
 
+@functools.cache
+def one_instruction_a_block() -> str:
+    """qemu's flag for one instruction a translated block: qemu 8.1 renamed -singlestep (removed in 9.0)."""
+    help_text = subprocess.run([QEMU, "--help"], capture_output=True, text=True).stdout
+    return "-one-insn-per-tb" if "one-insn-per-tb" in help_text else "-singlestep"
+
+
 def instructions(driver: Path, manifest: Path) -> int:
     """AArch64 instructions the driver runs over `manifest`, start-up and exit included."""
-    # qemu 8.1 renamed -singlestep (removed in 9.0) to -one-insn-per-tb.
-    one_per_block = (
-        "-one-insn-per-tb"
-        if "one-insn-per-tb" in subprocess.run([QEMU, "--help"], capture_output=True, text=True).stdout
-        else "-singlestep"
-    )
-    command = (
-        f"{QEMU} -L {SYSROOT} {one_per_block} -d nochain,exec -D /dev/stdout {driver} {manifest} | grep -c '^Trace'"
-    )
+    qemu = f"{QEMU} -L {SYSROOT} {one_instruction_a_block()} -d nochain,exec -D /dev/stdout"
+    command = f"{qemu} {driver} {manifest} | grep -c '^Trace'"
     # pipefail: a driver that fails (or a qemu that logs nothing, which grep -c answers with 1) stops the bench.
     result = subprocess.run(
         ["bash", "-o", "pipefail", "-c", command],
@@ -95,20 +96,14 @@ def main() -> None:
         print(f"| form | rows | {' | '.join(trees)} |")
         print("|" + "---|" * (2 + len(trees)))
         for form_name in args.forms:
-            form = WeightForm[form_name]
-            source = random_source(form, out_features, in_features)
-            packed = (
-                PackedLinear.pack(host, source)
-                if form in (WeightForm.F32, WeightForm.BF16)
-                else PackedLinear.pack_blocks(host, form, source, out_features, in_features)
-            )
+            packed = random_packed(host, WeightForm[form_name], out_features, in_features)
             (folder / "panels").write_bytes(packed.panels.numpy().tobytes())
             for rows in args.rows:
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
                 (folder / "x").write_bytes(x.numpy().tobytes())
                 call = (
-                    f"sl_linear i:{int(form)} i:0 in:{folder / 'x'} i:{rows} i:{in_features} in:{folder / 'panels'} "
-                    f"i:{out_features} out:{rows * out_features * 4}:{folder / 'y'} null"
+                    f"sl_linear i:{int(packed.form)} i:0 in:{folder / 'x'} i:{rows} i:{in_features} "
+                    f"in:{folder / 'panels'} i:{out_features} out:{rows * out_features * 4}:{folder / 'y'} null"
                 )
                 counts = []
                 for name, driver in drivers.items():

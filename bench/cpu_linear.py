@@ -13,7 +13,6 @@ times for about 10 million multiply-adds; the best trial counts, so a busy machi
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import time
 from pathlib import Path
@@ -22,17 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kernel_builds import add_build_arguments, kernel_builds, print_table_head, random_source  # noqa: E402
-from engine.kernels.cpu.invariant import PackedLinear, WeightForm  # noqa: E402
+from bench.kernel_builds import add_build_arguments, kernel_builds, print_table_head, random_packed  # noqa: E402
+from engine.kernels.cpu.invariant import WeightForm  # noqa: E402
 
 SHAPES = ("576x576:Q4_1", "1536x576:Q4_1", "576x1536:Q4_1", "49152x576:Q8_0", "1536x576:BF16", "1536x576:F32")
-
-
-def packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
-    source = random_source(form, out_features, in_features)
-    if form in (WeightForm.F32, WeightForm.BF16):
-        return PackedLinear.pack(library, source)
-    return PackedLinear.pack_blocks(library, form, source, out_features, in_features)
 
 
 def main() -> None:
@@ -48,7 +40,7 @@ def main() -> None:
         shape, form_name = spec.split(":")
         out_features, in_features = map(int, shape.split("x"))
         form = WeightForm[form_name]
-        layers = {name: packed(library, form, out_features, in_features) for name, library in builds.items()}
+        layers = {name: random_packed(library, form, out_features, in_features) for name, library in builds.items()}
         for rows in args.rows:
             x = torch.randn(rows, in_features)
             calls = max(2, int(1e7 // (out_features * in_features * rows)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, PackedLinear, WeightForm
 from engine.kernels.cpu.native import bind, load_library, runnable_variants
 
 
@@ -43,6 +43,14 @@ def random_source(form: WeightForm, out_features: int, in_features: int) -> torc
     scales = (generator.standard_normal((out_features, count, halves)) * 0.05).astype(np.float16)
     blocks[..., where] = scales.view(np.uint8)
     return torch.from_numpy(blocks.reshape(out_features, -1))
+
+
+def random_packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
+    """random_source's weight packed by `library`."""
+    source = random_source(form, out_features, in_features)
+    if form in (WeightForm.F32, WeightForm.BF16):
+        return PackedLinear.pack(library, source)
+    return PackedLinear.pack_blocks(library, form, source, out_features, in_features)
 
 
 def print_table_head(columns: list[str], builds: dict[str, ctypes.CDLL], unit: str) -> None:
