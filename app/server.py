@@ -52,9 +52,10 @@ class _SluiceApp(FastAPI):
     request id, in its header and its log line, and a stream's events go straight to the server's
     `send` (front_door.BODY_SEND)."""
 
-    def __init__(self, max_request_bytes: int, **kwargs: Any) -> None:
+    def __init__(self, max_request_bytes: int, id_header: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.max_request_bytes = max_request_bytes
+        self.id_header = id_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -67,6 +68,7 @@ class _SluiceApp(FastAPI):
             max_request_bytes=self.max_request_bytes,
             metrics=lambda: self.state.sluice.metrics if hasattr(self.state, "sluice") else None,
             audit=lambda: self.state.sluice.audit if hasattr(self.state, "sluice") else None,
+            id_header=self.id_header,
         )
 
 
@@ -85,10 +87,14 @@ def _refusal_in_one_line(send: Send) -> Send:
 
 
 def create_app(
-    settings: Settings, start: Callable[[Settings], Awaitable[ServerState]] = _start_engine_thread
+    settings: Settings,
+    start: Callable[[Settings], Awaitable[ServerState]] = _start_engine_thread,
+    *,
+    id_header: bool = True,
 ) -> FastAPI:
     """The app; its lifespan builds the state with `start`: by default this process's own engine, in a
-    cluster's ingress the replicas' (app/cluster/)."""
+    cluster's ingress the replicas' (app/cluster/), where Ray Serve returns the request id's header itself
+    (`id_header` False)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -103,7 +109,9 @@ def create_app(
             if state.audit is not None:
                 state.audit.close()
 
-    app = _SluiceApp(settings.max_request_bytes, title="Sluice", lifespan=lifespan, responses=ERROR_RESPONSES)
+    app = _SluiceApp(
+        settings.max_request_bytes, id_header, title="Sluice", lifespan=lifespan, responses=ERROR_RESPONSES
+    )
     install_error_handlers(app)
     install_openapi(app, lambda: app.state.sluice.limits if hasattr(app.state, "sluice") else None)
     app.include_router(chat.router)

