@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kernels.cpu.invariant import BLOCK_WEIGHTS, PackedLinear, WeightForm
-from engine.kernels.cpu.native import choose_variant, load_library, runnable_variants, splits_512_bit_vectors
+from engine.kernels.cpu.native import choose_variant, load_library, runnable_variants
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
 from tests.conftest import CACHE_DIR
@@ -71,9 +71,6 @@ def test_every_variant_gives_the_same_decoder_bits(libraries, default_tokenizer)
     assert all(torch.equal(other, logits[0]) for other in logits[1:])
 
 
-def test_avx512_is_passed_over_where_it_runs_on_half_width_units():
-    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
-    assert splits_512_bit_vectors(zen4)
-    assert not splits_512_bit_vectors(zen4.replace(": 25", ": 26"))
-    assert not splits_512_bit_vectors("vendor_id\t: GenuineIntel\ncpu family\t: 6\n")
+def test_the_chosen_variant_is_the_first_this_cpu_runs():
+    assert choose_variant() == runnable_variants()[0]
     assert choose_variant() in VARIANTS
