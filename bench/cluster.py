@@ -10,7 +10,7 @@ The model is bench/hostcost.py's random-weight Llama with the default model's to
 - scaling: output tokens/s at each number of replicas with `--per-replica` streams per replica (one ingress
   replica, Sluice's router), against N times what one plain server on the stub makes at `--per-replica`;
 - ingress: TTFT p50 of one stream at a time through a 1-replica cluster against the plain server (both on
-  the stub, so the difference is what the Serve proxy, the ingress and the router add);
+  the stub, so the difference is what HAProxy (or Serve's proxy), the ingress and the router add);
 - hit rate: the prefix cache's hit rate (hit tokens / looked-up tokens, the replicas' own counts) of a
   multi-turn workload (`--conversations` conversations sharing a system prompt, `--turns` turns each, their
   turns interleaved `--workload-concurrency` at a time) on one replica, and on `--hit-replicas` replicas

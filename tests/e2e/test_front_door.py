@@ -280,6 +280,25 @@ async def test_an_unexpected_error_s_500_carries_the_request_id():
     assert response.json()["error"]["message"] == "internal error: on purpose"
 
 
+async def test_under_ray_serve_the_id_header_is_left_to_its_layer_and_its_id_kept():
+    # Ray Serve's layer around a cluster's app returns the request's id (any it got, or one it made) itself.
+    from app.operations.front_door import request_id_var
+    from app.server import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(), id_header=False)
+
+    @app.get("/id")
+    async def current_id() -> str:
+        return request_id_var.get()
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sluice") as client:
+        response = await client.get("/id", headers=[("X-Request-Id", "Ray's id"), ("X-Request-Id", "second")])
+    assert "x-request-id" not in response.headers
+    assert response.json() == "Ray's id"
+
+
 def start_streams(base: str, max_tokens: list[int]) -> tuple[dict[int, list], list[threading.Thread]]:
     """One streamed chat per entry, each read to its end on a thread; returns once all run together."""
     streams: dict[int, list] = {}

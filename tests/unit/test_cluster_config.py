@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig  # noqa: E402
 from ray.serve.schema import ServeDeploySchema  # noqa: E402
 
 from app.cluster.router import block_hashes, engine_stats, home_of, routing_stats  # noqa: E402
-from app.cluster.serve import INGRESS, REPLICA, ClusterSettings, app_builder, build_app  # noqa: E402
+from app.cluster.serve import HAPROXY_ENV, INGRESS, REPLICA, ClusterSettings, app_builder, build_app  # noqa: E402
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -57,28 +57,43 @@ def test_the_deploy_configs_build_the_application_their_args_describe(config):
     assert replica.ray_actor_options["num_gpus"] == 1
 
 
-def test_the_cluster_s_ray_passes_requests_between_deployments_over_grpc(monkeypatch):
-    """`sluice cluster` sets Ray Serve's gRPC transport in the environment the Ray it starts inherits, unless
-    the operator chose; KubeRay's pods set it for their Ray."""
+@pytest.fixture
+def environment(monkeypatch) -> pytest.MonkeyPatch:
+    """This process's environment, which `sluice cluster`'s main() sets for the Ray it starts, as it was after
+    the test: each variable main() sets is set here first, so that the undo restores it."""
+    for name in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", *HAPROXY_ENV):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def environments_at_ray_init(monkeypatch: pytest.MonkeyPatch, *runs: list[str]) -> list[dict[str, str]]:
+    """The cluster's environment as ray.init would see it, for each run of main() with these flags."""
     import app.cluster.serve as cluster_serve
 
-    seen: list[str | None] = []
+    seen: list[dict[str, str]] = []
 
     def init(**_) -> None:
-        seen.append(os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT"))
+        seen.append(dict(os.environ))
         raise RuntimeError("no Ray here")
 
     monkeypatch.setattr(cluster_serve.ray, "init", init)
-    # Set first, so that the undo at the end restores this process's environment as it was.
-    monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", "0")
+    for flags in runs:
+        with pytest.raises(RuntimeError, match="no Ray here"):
+            cluster_serve.main(flags)
+    return seen
+
+
+def test_the_cluster_s_ray_passes_requests_between_deployments_over_grpc(environment):
+    """`sluice cluster` sets Ray Serve's gRPC transport in the environment the Ray it starts inherits, unless
+    the operator chose; KubeRay's pods set it for their Ray."""
     for chosen, expected in ((None, "1"), ("0", "0")):
         if chosen is None:
-            monkeypatch.delenv("RAY_SERVE_USE_GRPC_BY_DEFAULT")
+            environment.delenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", raising=False)
         else:
-            monkeypatch.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", chosen)
-        with pytest.raises(RuntimeError, match="no Ray here"):
-            cluster_serve.main(["--replicas", "1"])
-        assert seen[-1] == expected
+            environment.setenv("RAY_SERVE_USE_GRPC_BY_DEFAULT", chosen)
+        (seen_at_init,) = environments_at_ray_init(environment, ["--replicas", "1"])
+        assert seen_at_init.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == expected
     kuberay = yaml.safe_load((DEPLOY / "kuberay.yaml").read_text())["spec"]["rayClusterConfig"]
     pods = [kuberay["headGroupSpec"], *kuberay["workerGroupSpecs"]]
     for pod in pods:
@@ -86,41 +101,40 @@ def test_the_cluster_s_ray_passes_requests_between_deployments_over_grpc(monkeyp
         assert {"name": "RAY_SERVE_USE_GRPC_BY_DEFAULT", "value": "1"} in container["env"]
 
 
-HAPROXY_SETTINGS = ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED")
+def ingress_has_its_router(settings: ClusterSettings) -> bool:
+    router = build_app(settings)._bound_deployment._deployment_config.request_router_config
+    return not router.is_default_request_router() and router.request_router_class.endswith(".IngressRouter")
 
 
-def test_one_ingress_replica_is_fronted_by_haproxy_and_several_by_serve_s_proxy_and_router(monkeypatch):
-    """`sluice cluster` with one ingress replica asks Ray for HAProxy and its high-throughput settings; with
-    several it leaves Serve's proxy, which honours the IngressRouter that forwards ids to their holder."""
-    import app.cluster.serve as cluster_serve
+def test_one_ingress_replica_is_fronted_by_haproxy_and_several_by_serve_s_proxy_and_router(environment):
+    """With one ingress replica `sluice cluster` asks Ray for HAProxy and runs user code and routers on each
+    replica's main loop, unless the operator chose otherwise; with several it leaves Serve's proxy, which
+    honours the IngressRouter that forwards ids to their holder, and HAProxy is refused."""
+    several, one = environments_at_ray_init(environment, ["--ingress-replicas", "2"], ["--ingress-replicas", "1"])
+    assert not set(HAPROXY_ENV) & set(several)
+    assert {name: one.get(name) for name in HAPROXY_ENV} == HAPROXY_ENV
+    for name in HAPROXY_ENV:
+        environment.delenv(name)
+    assert ingress_has_its_router(ClusterSettings(ingress_replicas=2))
+    assert ingress_has_its_router(ClusterSettings(ingress_replicas=1))
 
-    seen: list[dict[str, str | None]] = []
+    environment.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    (chosen,) = environments_at_ray_init(environment, ["--ingress-replicas", "1"])
+    assert chosen["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
 
-    def init(**_) -> None:
-        seen.append({name: os.environ.get(name) for name in HAPROXY_SETTINGS})
-        raise RuntimeError("no Ray here")
-
-    monkeypatch.setattr(cluster_serve.ray, "init", init)
-    for name in HAPROXY_SETTINGS:
-        monkeypatch.setenv(name, "")  # set first, so that the undo at the end restores this environment
-        monkeypatch.delenv(name)
-    with pytest.raises(RuntimeError, match="no Ray here"):
-        cluster_serve.main(["--ingress-replicas", "2"])
-    assert seen[-1] == dict.fromkeys(HAPROXY_SETTINGS)
-    with pytest.raises(RuntimeError, match="no Ray here"):
-        cluster_serve.main(["--ingress-replicas", "1"])
-    assert seen[-1] == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY")
-
-    def ingress_router(settings: ClusterSettings) -> str | None:
-        return build_app(settings)._bound_deployment._deployment_config.request_router_config.request_router_class
-
-    assert ingress_router(ClusterSettings(ingress_replicas=2)).endswith(".IngressRouter")
-    assert not ingress_router(ClusterSettings(ingress_replicas=1)).endswith(".IngressRouter")
-    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
-    assert not ingress_router(ClusterSettings(ingress_replicas=1)).endswith(".IngressRouter")
+    environment.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    assert not ingress_has_its_router(ClusterSettings(ingress_replicas=1))
     with pytest.raises(ValueError, match="--ingress-replicas 2 needs Ray Serve's own proxy"):
         build_app(ClusterSettings(ingress_replicas=2))
+
+
+def test_without_an_haproxy_binary_serve_s_proxy_fronts_one_ingress_replica(environment):
+    import app.cluster.serve as cluster_serve
+
+    environment.setattr(cluster_serve.importlib.util, "find_spec", lambda name: None)
+    environment.setattr(cluster_serve.shutil, "which", lambda name: None)
+    (seen,) = environments_at_ray_init(environment, ["--ingress-replicas", "1"])
+    assert not set(HAPROXY_ENV) & set(seen)
 
 
 def test_fixed_replicas_without_autoscaling_and_bounds_checked():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kernels.cpu.invariant import BLOCK_WEIGHTS, PackedLinear, WeightForm
-from engine.kernels.cpu.native import choose_variant, load_library, runnable_variants
+from engine.kernels.cpu.native import load_library, runnable_variants
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
 from tests.conftest import CACHE_DIR
@@ -69,8 +69,3 @@ def test_every_variant_gives_the_same_decoder_bits(libraries, default_tokenizer)
         model.use_kernels(library, linears, None, dataclasses.replace(decoder, library=library))
         logits.append(teacher_forced_logits(tiny_engine(loaded), prompt))
     assert all(torch.equal(other, logits[0]) for other in logits[1:])
-
-
-def test_the_chosen_variant_is_the_first_this_cpu_runs():
-    assert choose_variant() == runnable_variants()[0]
-    assert choose_variant() in VARIANTS
