@@ -4,7 +4,8 @@ as, for the batch-invariant CPU kernels.
 Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
 order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
 changes no output while each step reads 4.5 bits per weight (Q4_K), 5 (Q4_1), 5.5 (Q5_0, Q5_K), 6 (Q5_1), 6.6
-(Q6_K) or 8.5 (Q8_0) instead of 32.
+(Q6_K) or 8.5 (Q8_0) instead of 32. Q4_0, IQ4_NL and Q3_K blocks are rewritten as blocks of one of those forms
+that hold the same weights (engine/model/gguf_transcode.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType
 
 from engine.kernels.cpu.invariant import WeightForm
 from engine.model.gguf_index import GGUFIndex
+from engine.model.gguf_transcode import TRANSCODED, transcode
 
 _FORMS = {
     GGMLQuantizationType.Q8_0: WeightForm.Q8_0,
@@ -59,14 +61,15 @@ def shipped_blocks(
     found = {}
     for module, name in names.items():
         tensor = tensors.get(name)
-        if tensor is None or tensor.type not in _FORMS:
+        if tensor is None or (tensor.type not in _FORMS and tensor.type not in TRANSCODED):
             continue
         rows = np.asarray(gguf.data(tensor))
+        form, rows = transcode(tensor.type, rows) if tensor.type in TRANSCODED else (_FORMS[tensor.type], rows)
         if interleaved and name.endswith("attn_q.weight"):
             rows = _reverse_permute(rows, config.num_attention_heads)
         elif interleaved and name.endswith("attn_k.weight"):
             rows = _reverse_permute(rows, config.num_key_value_heads)
-        found[module] = (_FORMS[tensor.type], torch.from_numpy(rows.copy()))
+        found[module] = (form, torch.from_numpy(rows.copy()))
     return found
 
 

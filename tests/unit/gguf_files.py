@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, WeightForm
+from engine.kernels.cpu.invariant import SCALE_BYTES, WeightForm
 
 # The byte-level alphabet: each byte's character, in byte order.
 BYTES = [bytes_to_unicode()[byte] for byte in range(256)]
@@ -111,28 +111,37 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
 
 
-# The fp16 scales' spread: the k-quants' weights then spread about as a tiny model's (0.2), since a model of
-# them (tests/unit/test_gguf.py) would otherwise amplify rounding differences from layer to layer.
+# The fp16 scales' spread, by GGUF type: the k-quants' weights then spread about as a tiny model's (0.2), since
+# a model of them (tests/unit/test_gguf.py) would otherwise amplify rounding differences from layer to layer.
 SCALE_SPREAD = {
-    WeightForm.Q8_0: 0.05,
-    WeightForm.Q4_1: 0.05,
-    WeightForm.Q5_0: 0.025,
-    WeightForm.Q5_1: 0.025,
-    WeightForm.Q4_K: 6e-4,
-    WeightForm.Q5_K: 3e-4,
-    WeightForm.Q6_K: 1.5e-4,
+    "Q8_0": 0.05,
+    "Q4_1": 0.05,
+    "Q5_0": 0.025,
+    "Q5_1": 0.025,
+    "Q4_K": 6e-4,
+    "Q5_K": 3e-4,
+    "Q6_K": 1.5e-4,
+    "Q4_0": 0.05,
+    "IQ4_NL": 4e-3,
+    "Q3_K": 6e-3,
 }
+# Where the GGUF types the kernels take as blocks of another form (engine/model/gguf_transcode.py) keep their
+# fp16 scale d.
+TRANSCODED_SCALE_BYTES = {"Q4_0": slice(0, 2), "IQ4_NL": slice(0, 2), "Q3_K": slice(108, 110)}
 
 
-def random_blocks(form: WeightForm, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """GGUF blocks of `form` with random fp16 scales (and offsets, or minimums' scales) and every other byte
-    drawn: the quantized values and the k-quants' sub-block scales, any of whose bits are valid. The same
-    shape and `seed` draw the same blocks."""
-    blocks = out_features * in_features // BLOCK_WEIGHTS[form]
+def random_blocks(
+    kind: WeightForm | gguf.GGMLQuantizationType, out_features: int, in_features: int, seed: int = 0
+) -> torch.Tensor:
+    """GGUF blocks of `kind` (a form's, or a GGUF type's) with random fp16 scales (and offsets, or minimums'
+    scales) and every other byte drawn: the quantized values and the k-quants' sub-block scales, any of whose
+    bits are valid. The same shape and `seed` draw the same blocks."""
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind.name]]
+    blocks = out_features * in_features // block_weights
     generator = np.random.default_rng(out_features * 7919 + in_features + 104729 * seed)
-    data = generator.integers(0, 256, (blocks, BLOCK_BYTES[form]), dtype=np.uint8)
-    halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[form]).astype(np.float16)
-    where = SCALE_BYTES[form]
+    data = generator.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
+    halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[kind.name]).astype(np.float16)
+    where = SCALE_BYTES[kind] if isinstance(kind, WeightForm) else TRANSCODED_SCALE_BYTES[kind.name]
     data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
     return torch.from_numpy(data.reshape(out_features, -1).copy())
 

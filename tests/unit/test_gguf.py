@@ -103,6 +103,34 @@ async def test_a_k_quant_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
     assert [t for t, _ in served] == [t for t, _ in expected]
 
 
+@pytest.mark.parametrize(
+    ("kind", "form"),
+    [
+        (gguf.GGMLQuantizationType.Q4_0, WeightForm.Q5_0),
+        (gguf.GGMLQuantizationType.IQ4_NL, WeightForm.Q8_0),
+        (gguf.GGMLQuantizationType.Q3_K, WeightForm.Q6_K),
+    ],
+    ids=lambda value: value.name,
+)
+async def test_a_gguf_of_a_type_the_kernels_read_as_another_form_is_served_in_its_blocks(tmp_path, kind, form):
+    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    # Random blocks, as for the k-quants, whose weights spread as a trained model's: the tiny random model's own,
+    # quantized, leave logits close enough for the kernels' rounding to change which is highest.
+    seeds = itertools.count()
+    path = write_gguf(
+        model,
+        tmp_path / f"tiny-llama-{kind.name}.gguf",
+        kind,
+        lambda data, _: random_blocks(kind, *data.shape, seed=next(seeds)).numpy(),
+    )
+    loaded, served = await _served(path)
+    forms = [packed.form for packed in loaded.model._packed.values()]
+    assert forms.count(form) == 2 * 7 + 1
+    expected = hf_greedy_logprobs(_transformers_reading(path), PROMPT, NEW_TOKENS)
+    assert [t for t, _ in served] == [t for t, _ in expected]
+    assert [lp for _, lp in served] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
 def test_a_gguf_of_an_architecture_no_family_serves_is_refused_before_converting(tmp_path):
     path = tmp_path / "tiny-bloom.gguf"
     writer = gguf.GGUFWriter(path, "bloom")
