@@ -1,10 +1,13 @@
 """GGUF block types the CPU kernels have no form of their own for, rewritten as blocks of a form they have
-that holds the same weights: GGUF's dequantizer gives both the same float32 values, bit for bit, so the
-kernels serve such a file's layers as they serve their own forms, with the same outputs.
+that holds the same weights: GGUF's dequantizer gives both the same float32 values (bit for bit, but for the
+sign of some of Q4_0's zeros), so the kernels serve such a file's layers as they serve their own forms, with
+the same outputs.
 
-- Q4_0 (w = d * (q - 8), 4-bit q) as Q5_0 (w = d * q, 5-bit q less 16): the same d and q - 8, one more bit
-  to hold it. (Q4_1's w = d * q + m with m = -8 * d gives the same values but +0 where Q4_0 gives -0.) 5.5
-  bits a weight where the file has 4.5.
+- Q4_0 (w = d * (q - 8), 4-bit q) as Q4_1 (w = d * q + m) with m = -8 * d: d * q and -8 * d are exact in
+  fp16 and float32, so their sum is the exact d * (q - 8), with one difference: where q is 8 under a negative
+  d, Q4_0's weight is -0 and Q4_1's +0. No output can tell them apart (invariant_kernels.same_weights says
+  why). 5 bits a weight where the file has 4.5; Q5_0 (w = d * q, 5-bit q less 16) would keep even the zeros'
+  signs, but its widening made steps of 8 and 32 rows slower than float32's.
 - IQ4_NL (w = d * table[q], a 4-bit index into 16 int8 values) as Q8_0 (w = d * q, int8 q): the table's
   value as q. 8.5 bits where the file has 4.5.
 - Q3_K (w = (d * sc) * q, 6-bit sc less 32 per 16 weights, 3-bit q less 4) as Q6_K (w = (d * sc) * q, int8
@@ -12,7 +15,8 @@ kernels serve such a file's layers as they serve their own forms, with the same 
   3.4.
 
 Each is still 4 to 9 times fewer bytes a step than float32; the loader checks every packed weight against its
-float32 conversion, bit for bit, as it does for every form.
+float32 conversion as it does for every form, and keeps float32 where they differ (a Q4_0 d so large that -8 *
+d overflows fp16, say).
 """
 
 from __future__ import annotations
@@ -34,15 +38,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def q4_0_as_q5_0(blocks: np.ndarray) -> np.ndarray:
-    """Q4_0 blocks [..., 18 bytes: d, 16 bytes of nibbles] as Q5_0's [..., 22: d, the 32 weights' fifth bits
-    (a little-endian uint32, weight i's at bit i), then their low 4 bits as nibbles]: Q5_0's value less 16 is
-    Q4_0's less 8."""
-    values = _nibbles(blocks[..., 2:]).astype(np.uint32) + 8
-    fifths = np.bitwise_or.reduce((values >> 4) << np.arange(32, dtype=np.uint32), axis=-1)
-    low = (values & 15).astype(np.uint8)
-    nibbles = low[..., :16] | (low[..., 16:] << 4)
-    return np.concatenate([blocks[..., :2], fifths[..., None].astype("<u4").view(np.uint8), nibbles], axis=-1)
+def q4_0_as_q4_1(blocks: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks [..., 18 bytes: d, 16 bytes of nibbles] as Q4_1's [..., 20: d, m = -8 * d, the same
+    nibbles]."""
+    # A d of 8192 or more overflows here; the loader's check then keeps the tensor in float32.
+    with np.errstate(over="ignore"):
+        m = (blocks[..., :2].view(np.float16) * np.float16(-8)).view(np.uint8)
+    return np.concatenate([blocks[..., :2], m, blocks[..., 2:]], axis=-1)
 
 
 def iq4_nl_as_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -78,7 +80,7 @@ def q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 # A GGUF type → the form its blocks are rewritten as, and how: rows [N, K / block weights * block bytes].
 TRANSCODED: dict[GGMLQuantizationType, tuple[WeightForm, Callable[[np.ndarray], np.ndarray]]] = {
-    GGMLQuantizationType.Q4_0: (WeightForm.Q5_0, q4_0_as_q5_0),
+    GGMLQuantizationType.Q4_0: (WeightForm.Q4_1, q4_0_as_q4_1),
     GGMLQuantizationType.IQ4_NL: (WeightForm.Q8_0, iq4_nl_as_q8_0),
     GGMLQuantizationType.Q3_K: (WeightForm.Q6_K, q3_k_as_q6_k),
 }

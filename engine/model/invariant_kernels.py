@@ -158,9 +158,21 @@ def _pack_as_shipped(
         candidate = PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)
     else:
         candidate = PackedLinear.pack(library, weight.bfloat16())
-    if torch.equal(candidate.unpacked().view(torch.int32), weight.float().view(torch.int32)):
+    if same_weights(candidate.unpacked(), weight.float()):
         return candidate
     return PackedLinear.pack(library, weight)
+
+
+def same_weights(widened: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a packed weight widens to `weight` bit for bit, zeros of either sign alike: every kernel's
+    multiply-add chain starts from +0 and rounds to nearest, where a zero product of either sign added to +0,
+    or to anything else, gives the same sum, so a zero weight's sign reaches no output (a tied head's rows read
+    back as input embeddings carry it into the hidden state only until the first residual add, through norms
+    and linear layers, which cannot tell it either)."""
+    widened, weight = widened.view(torch.int32), weight.view(torch.int32)
+    # Clearing the sign bit: +0 and -0 both read 0, and no other two values are then equal.
+    zeros = (widened & 0x7FFFFFFF == 0) & (weight & 0x7FFFFFFF == 0)
+    return bool(torch.where(zeros, True, widened == weight).all())
 
 
 def use_gpu_invariant_kernels(paged: PagedCausalLM) -> None:

@@ -106,7 +106,7 @@ async def test_a_k_quant_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
 @pytest.mark.parametrize(
     ("kind", "form"),
     [
-        (gguf.GGMLQuantizationType.Q4_0, WeightForm.Q5_0),
+        (gguf.GGMLQuantizationType.Q4_0, WeightForm.Q4_1),
         (gguf.GGMLQuantizationType.IQ4_NL, WeightForm.Q8_0),
         (gguf.GGMLQuantizationType.Q3_K, WeightForm.Q6_K),
     ],

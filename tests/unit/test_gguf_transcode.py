@@ -1,29 +1,64 @@
 """GGUF types the kernels read as blocks of another form (engine/model/gguf_transcode.py): GGUF's own
-dequantizer gives the rewritten blocks the original's float32 values, bit for bit, whatever their bytes."""
+dequantizer gives the rewritten blocks the original's float32 values, bit for bit (zeros of either sign alike,
+as the loader's check takes them), whatever their bytes; where a rewrite cannot hold a block's values, the
+loader's check sees it."""
 
 from __future__ import annotations
 
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from engine.model.gguf_transcode import TRANSCODED, transcode
+from engine.model.invariant_kernels import same_weights
 from tests.unit.gguf_files import TRANSCODED_SCALE_BYTES
+
+Q4_0 = gguf.GGMLQuantizationType.Q4_0
+
+
+def _dequantized(kind: gguf.GGMLQuantizationType, d_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of random blocks of `kind` with these fp16 scales d (one per block, as bits), dequantized as they
+    are and as rewritten."""
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rows = np.random.default_rng(0).integers(0, 256, (len(d_bits), block_bytes), dtype=np.uint8)
+    rows[:, TRANSCODED_SCALE_BYTES[kind.name]] = d_bits.astype("<u2").view(np.uint8).reshape(-1, 2)
+    form, rewritten = transcode(kind, rows)
+    assert rewritten.dtype == np.uint8
+    assert rewritten.shape == (len(d_bits), gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[form.name]][1])
+    with np.errstate(invalid="ignore", over="ignore"):
+        original = gguf.quants.dequantize(rows, kind)
+        widened = gguf.quants.dequantize(rewritten, gguf.GGMLQuantizationType[form.name])
+    assert original.shape == widened.shape == (len(d_bits), block_weights)
+    return original, widened
 
 
 @pytest.mark.parametrize("kind", list(TRANSCODED), ids=lambda kind: kind.name)
 def test_rewritten_blocks_dequantize_to_the_same_bits(kind):
-    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-    # Every byte drawn, the fp16 scales d too; the first blocks' d the edges of fp16.
-    rows = np.random.default_rng(0).integers(0, 256, (512, 3 * block_bytes), dtype=np.uint8)
-    edges = np.array([-0.0, 0.0, np.inf, -np.inf, np.nan, 6e-8, -6e-5, 65504], dtype=np.float16)
-    rows[: len(edges), TRANSCODED_SCALE_BYTES[kind.name]] = edges.view(np.uint8).reshape(-1, 2)
-    form, rewritten = transcode(kind, rows)
-    assert rewritten.dtype == np.uint8
-    assert rewritten.shape == (512, 3 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[form.name]][1])
-    with np.errstate(invalid="ignore"):
-        original = gguf.quants.dequantize(rows, kind)
-        widened = gguf.quants.dequantize(rewritten, gguf.GGMLQuantizationType[form.name])
-    assert original.shape == widened.shape == (512, 3 * block_weights)
-    assert np.array_equal(original.view(np.uint32), widened.view(np.uint32))
-    assert (original.view(np.uint32) == 0x80000000).any() and np.isnan(original).any()
+    # Every finite fp16 d below 8192 alike (zeros of either sign and subnormals among them), every other byte
+    # drawn.
+    generator = np.random.default_rng(1)
+    d_bits = generator.integers(0, 28 << 10, 2048) | generator.integers(0, 2, 2048) << 15
+    original, widened = _dequantized(kind, d_bits)
+    assert same_weights(torch.from_numpy(widened), torch.from_numpy(original))
+    # Only Q4_0's rewrite turns some -0 into +0 (q = 8 under a negative d); every other bit is kept.
+    differ = original.view(np.uint32) != widened.view(np.uint32)
+    assert set(original[differ].view(np.uint32)) <= {0x80000000}
+    assert differ.any() == (kind == Q4_0)
+
+
+def test_a_q4_0_block_whose_offset_overflows_fp16_is_seen_to_differ():
+    # -8 * d overflows fp16 from d = 8192: the loader keeps such a tensor in float32.
+    for d in (8192.0, 65504.0, float("inf")):
+        original, widened = _dequantized(Q4_0, np.array([d], dtype=np.float16).view(np.uint16))
+        assert not same_weights(torch.from_numpy(widened), torch.from_numpy(original))
+
+
+def test_same_weights_takes_zeros_of_either_sign_alike_and_nothing_else():
+    def same(a: list[float], b: list[float]) -> bool:
+        return same_weights(torch.tensor(a), torch.tensor(b))
+
+    assert same([0.0, -0.0, 1.5], [-0.0, 0.0, 1.5])
+    assert not same([0.0], [1e-45]) and not same([-0.0], [-1e-45]) and not same([1.0], [-1.0])
+    nan = torch.tensor([float("nan")])
+    assert same_weights(nan, nan.clone()) and not same_weights(nan, -nan)
