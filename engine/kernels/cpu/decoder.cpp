@@ -169,20 +169,18 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
     store(s.cache_dtype, v + t * slot_stride, slot_stride, value_cache + slot);
   }
   barrier.wait(s.barrier_spin_ns);
-  // 3) Attention, a (token, KV head) item at a time; its query heads back to back while its keys are in cache.
+  // 3) Attention, a (token, KV head) item at a time; its query heads share the passes over its keys and values.
   const int64_t group = s.heads / s.kv_heads;
 #pragma omp for schedule(dynamic, 1) nowait
   for (int64_t item = 0; item < t_dim * s.kv_heads; ++item) {
     const int64_t t = item / s.kv_heads, kv = item % s.kv_heads;
     const int64_t n = s.context_lens[t];
     const int64_t first = layer.window > 0 ? std::max<int64_t>(0, n - layer.window) : 0;
-    for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-      const int64_t offset = (t * s.heads + h) * hd;
-      sluice::attend_head(s.cache_dtype, q + offset, hd, key_cache + kv * hd * element_bytes,
-                          value_cache + kv * hd * element_bytes, slot_stride,
-                          s.block_tables + s.table_rows[t] * s.table_width, s.block_size, first, n, s.scale, 0.0f,
-                          -INFINITY, scores, attended + offset);
-    }
+    const int64_t offset = (t * s.heads + kv * group) * hd;
+    sluice::attend_heads(s.cache_dtype, group, q + offset, hd, key_cache + kv * hd * element_bytes,
+                         value_cache + kv * hd * element_bytes, slot_stride,
+                         s.block_tables + s.table_rows[t] * s.table_width, s.block_size, first, n, s.scale, 0.0f,
+                         nullptr, scores, attended + offset);
   }
   barrier.wait(s.barrier_spin_ns);
   // 4) o, added into the residual stream column by column (q is free again: it holds o).
@@ -244,7 +242,7 @@ void sl_decoder_layers(const Layer* layers, int64_t num_layers, const Step* step
 #pragma omp single
     barrier.threads = omp_get_num_threads();
     // The thread's own: a normalized input, attention scores.
-    std::vector<float> x(t_dim * s.hidden), scores(longest + 8);
+    std::vector<float> x(t_dim * s.hidden), scores(sluice::kAttendScoreRows * (longest + 8));
     for (int64_t index = 0; index < num_layers; ++index)
       layer_step(layers[index], s, index, hidden, x.data(), q, k, v, attended, gate, up, scores.data(), barrier);
   }

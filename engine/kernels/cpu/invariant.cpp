@@ -610,95 +610,176 @@ struct CacheF16 {
   static __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 };
 
-// out = inverse * sum over the window's keys i of scores[i] * value i, each lane's sum in i order. Vecs, where
-// it is not 0, is head_dim / 8 known when compiled (head dims 64 and 128): the accumulators then stay in
-// registers, where a count known only at run time keeps them in memory, a load and a store each multiply-add.
-// The same arithmetic either way, so the same bits.
-template <class C, int Vecs, class E = typename C::Element>
-void weigh_values(int64_t vecs, const E* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size,
-                  int64_t first, int64_t count, const float* scores, float inverse, float* out) {
-  const int64_t n_vecs = Vecs != 0 ? Vecs : vecs;
-  __m256 acc[Vecs != 0 ? Vecs : 32];
-  for (int64_t d = 0; d < n_vecs; ++d) acc[d] = _mm256_setzero_ps();
+// The query heads attend_group takes at once (a KV head's group runs in chunks of at most this many), and the
+// head dims' vectors of 8 its value sums keep in registers at once: AVX-512's 32 vector registers hold a
+// chunk's 4 x 8 accumulators, AVX2's 16 half of them.
+constexpr int kGroupChunk = (int)sluice::kAttendScoreRows;
+#if defined(__AVX512F__)
+constexpr int kValueVecs = 8;
+#else
+constexpr int kValueVecs = 4;
+#endif
+
+// The keys' rows (and values') asked of memory this many keys before they are read: a pass serving several
+// heads has so much arithmetic a key that the processor's own look-ahead reaches only a few keys ahead.
+constexpr int64_t kAheadKeys = 16;
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)row + line, _MM_HINT_T0);
+}
+
+// out[h] (h < H, head_dim apart) = inverse[h] * sum over the window's keys i of scores[h][i] * value i, each
+// lane's sum in i order, for head-dim vectors [d0, d0 + Vecs): one pass over the values serves the H heads.
+template <class C, int H, int Vecs, class E = typename C::Element>
+void weigh_values(int64_t d0, const E* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size,
+                  int64_t first, int64_t count, const float* scores, int64_t scores_stride, const float* inverse,
+                  int64_t head_dim, float* out) {
+  __m256 acc[H][Vecs];
+  for (int h = 0; h < H; ++h)
+    for (int d = 0; d < Vecs; ++d) acc[h][d] = _mm256_setzero_ps();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t j = first + i;
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const E* value = v_cache + slot * slot_stride;
-    const __m256 p = _mm256_set1_ps(scores[i]);
-    for (int64_t d = 0; d < n_vecs; ++d) acc[d] = _mm256_fmadd_ps(p, C::load8(value + d * 8), acc[d]);
+    const E* value = v_cache + slot * slot_stride + d0 * 8;
+    if (i + kAheadKeys < count) {
+      const int64_t ahead = first + i + kAheadKeys;
+      prefetch_row(v_cache + (table[ahead / block_size] * block_size + ahead % block_size) * slot_stride + d0 * 8,
+                   Vecs * 8 * (int64_t)sizeof(E));
+    }
+    __m256 p[H];
+    for (int h = 0; h < H; ++h) p[h] = _mm256_set1_ps(scores[h * scores_stride + i]);
+#pragma GCC unroll 8
+    for (int d = 0; d < Vecs; ++d) {
+      const __m256 v = C::load8(value + d * 8);
+      for (int h = 0; h < H; ++h) acc[h][d] = _mm256_fmadd_ps(p[h], v, acc[h][d]);
+    }
   }
-  const __m256 norm = _mm256_set1_ps(inverse);
-  for (int64_t d = 0; d < n_vecs; ++d) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], norm));
+  for (int h = 0; h < H; ++h) {
+    const __m256 norm = _mm256_set1_ps(inverse[h]);
+    for (int d = 0; d < Vecs; ++d) _mm256_storeu_ps(out + h * head_dim + (d0 + d) * 8, _mm256_mul_ps(acc[h][d], norm));
+  }
 }
 
-// One query head over keys [first, n) of its request: all n of them, or with a sliding window only
-// the last ones. `softcap` > 0 caps each score at softcap * tanh(score / softcap) (Gemma 2); `sink`
-// (else -inf) is a learned logit that joins the softmax's max and denominator without a value
-// (gpt-oss), so the weights of the keys sum to less than one.
-template <class C, class E = typename C::Element>
-void attend(const float* q, int64_t head_dim, const E* k_cache, const E* v_cache, int64_t slot_stride,
-            const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap, float sink,
-            float* scores, float* out) {
+// H query heads q[h] (head_dim apart) of one KV head over keys [first, n) of their request: all n of them, or
+// with a sliding window only the last ones, into out[h]. `softcap` > 0 caps each score at softcap * tanh(score /
+// softcap) (Gemma 2); sinks[h] (sinks null: none) is a learned logit that joins the softmax's max and
+// denominator without a value (gpt-oss), so the weights of the keys sum to less than one. The heads share each
+// pass over the keys and the values, which a step's keys come from memory for: each head's arithmetic is
+// its own, in the same order, whatever heads it shares the passes with.
+template <class C, int H, class E = typename C::Element>
+void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v_cache, int64_t slot_stride,
+                  const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap,
+                  const float* sinks, float* scores, int64_t scores_stride, float* out) {
   const int64_t vecs = head_dim / 8;
-  // Key i of the window (position first + i) and its score, scores[i].
+  // Key i of the window (position first + i) and its score for head h, scores[h * scores_stride + i].
   const int64_t count = n - first;
   auto key_at = [&](int64_t i) {
     const int64_t j = first + i;
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
     return k_cache + slot * slot_stride;
   };
-  // Scores four keys at a time: four independent chains hide the FMA latency, and each
-  // key's chain is the same whichever group it falls in.
-  float best = -INFINITY;
+  // Scores four keys at a time: independent chains hide the FMA latency, and each key's chain is the same
+  // whichever group it falls in.
+  float best[H];
+  for (int h = 0; h < H; ++h) best[h] = -INFINITY;
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
+    for (int i = 0; i < 4; ++i)
+      if (j + kAheadKeys + i < count) prefetch_row(key_at(j + kAheadKeys + i), head_dim * (int64_t)sizeof(E));
     const E* keys[4] = {key_at(j), key_at(j + 1), key_at(j + 2), key_at(j + 3)};
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[H][4];
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < vecs; ++d) {
-      const __m256 query = _mm256_loadu_ps(q + d * 8);
+      __m256 k[4];
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(query, C::load8(keys[i] + d * 8), acc[i]);
-    }
+      for (int i = 0; i < 4; ++i) k[i] = C::load8(keys[i] + d * 8);
+      for (int h = 0; h < H; ++h) {
+        const __m256 query = _mm256_loadu_ps(q + h * head_dim + d * 8);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      scores[j + i] = hsum(acc[i]) * scale;
-      best = std::max(best, scores[j + i]);
+        for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_fmadd_ps(query, k[i], acc[h][i]);
+      }
     }
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        scores[h * scores_stride + j + i] = hsum(acc[h][i]) * scale;
+        best[h] = std::max(best[h], scores[h * scores_stride + j + i]);
+      }
   }
   for (; j < count; ++j) {
     const E* key = key_at(j);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < vecs; ++d)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 8), C::load8(key + d * 8), acc);
-    scores[j] = hsum(acc) * scale;
-    best = std::max(best, scores[j]);
-  }
-  if (softcap > 0.0f) {
-    // Scalar tanhf: libm's, the same bits for the same score wherever it sits in the batch.
-    best = -INFINITY;
-    for (int64_t i = 0; i < count; ++i) {
-      scores[i] = softcap * tanhf(scores[i] / softcap);
-      best = std::max(best, scores[i]);
+    for (int h = 0; h < H; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < vecs; ++d)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * head_dim + d * 8), C::load8(key + d * 8), acc);
+      scores[h * scores_stride + j] = hsum(acc) * scale;
+      best[h] = std::max(best[h], scores[h * scores_stride + j]);
     }
   }
-  best = std::max(best, sink);
+  float inverse[H];
   const int64_t padded = (count + 7) / 8 * 8;
-  for (int64_t i = count; i < padded; ++i) scores[i] = -INFINITY;
-  const __m256 top = _mm256_set1_ps(best);
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t i = 0; i < padded; i += 8) {
-    const __m256 s = _mm256_loadu_ps(scores + i);
-    // Padding lanes are -inf: zero them rather than trust exp's clamp.
-    const __m256 real = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s, top)), real);
-    _mm256_storeu_ps(scores + i, p);
-    total = _mm256_add_ps(total, p);
+  for (int h = 0; h < H; ++h) {
+    float* head_scores = scores + h * scores_stride;
+    if (softcap > 0.0f) {
+      // Scalar tanhf: libm's, the same bits for the same score wherever it sits in the batch.
+      best[h] = -INFINITY;
+      for (int64_t i = 0; i < count; ++i) {
+        head_scores[i] = softcap * tanhf(head_scores[i] / softcap);
+        best[h] = std::max(best[h], head_scores[i]);
+      }
+    }
+    const float sink = sinks == nullptr ? -INFINITY : sinks[h];
+    best[h] = std::max(best[h], sink);
+    for (int64_t i = count; i < padded; ++i) head_scores[i] = -INFINITY;
+    const __m256 top = _mm256_set1_ps(best[h]);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {
+      const __m256 s = _mm256_loadu_ps(head_scores + i);
+      // Padding lanes are -inf: zero them rather than trust exp's clamp.
+      const __m256 real = _mm256_cmp_ps(s, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(s, top)), real);
+      _mm256_storeu_ps(head_scores + i, p);
+      total = _mm256_add_ps(total, p);
+    }
+    float sum = hsum(total);
+    if (sink != -INFINITY) sum += expf(sink - best[h]);
+    inverse[h] = 1.0f / sum;
   }
-  float sum = hsum(total);
-  if (sink != -INFINITY) sum += expf(sink - best);
-  const float inverse = 1.0f / sum;
-  const auto weigh = vecs == 8 ? weigh_values<C, 8> : (vecs == 16 ? weigh_values<C, 16> : weigh_values<C, 0>);
-  weigh(vecs, v_cache, slot_stride, table, block_size, first, count, scores, inverse, out);
+  // The head dim's vectors kValueVecs a pass, then what is left in passes of 4, 2 and 1.
+  int64_t d0 = 0;
+  auto pass = [&](auto width) {
+    constexpr int kWidth = decltype(width)::value;
+    weigh_values<C, H, kWidth>(d0, v_cache, slot_stride, table, block_size, first, count, scores, scores_stride,
+                               inverse, head_dim, out);
+    d0 += kWidth;
+  };
+  while (d0 + kValueVecs <= vecs) pass(std::integral_constant<int, kValueVecs>{});
+  if (kValueVecs > 4 && d0 + 4 <= vecs) pass(std::integral_constant<int, 4>{});
+  if (d0 + 2 <= vecs) pass(std::integral_constant<int, 2>{});
+  if (d0 < vecs) pass(std::integral_constant<int, 1>{});
+}
+
+// `heads` query heads of one KV head, in chunks of kGroupChunk (sluice::attend_heads).
+template <class C, class E = typename C::Element>
+void attend_kv_group(int64_t heads, const float* q, int64_t head_dim, const E* k_cache, const E* v_cache,
+                  int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n,
+                  float scale, float softcap, const float* sinks, float* scores, float* out) {
+  const int64_t stride = n - first + 8;
+  for (int64_t h0 = 0; h0 < heads; h0 += kGroupChunk) {
+    const float* chunk_sinks = sinks == nullptr ? nullptr : sinks + h0;
+    const float* chunk_q = q + h0 * head_dim;
+    float* chunk_out = out + h0 * head_dim;
+    auto run = [&](auto chunk) {
+      attend_group<C, decltype(chunk)::value>(chunk_q, head_dim, k_cache, v_cache, slot_stride, table, block_size,
+                                              first, n, scale, softcap, chunk_sinks, scores, stride, chunk_out);
+    };
+    switch (std::min<int64_t>(kGroupChunk, heads - h0)) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      default: run(std::integral_constant<int, 4>{}); break;
+    }
+  }
 }
 
 // Rows rows[i] (all N where rows is null) of the weight [N, K] widened, into w[i].
@@ -742,21 +823,21 @@ void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, in
   });
 }
 
-void attend_head(int64_t cache_dtype, const float* q, int64_t head_dim, const void* k_cache, const void* v_cache,
-                 int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale,
-                 float softcap, float sink, float* scores, float* out) {
+void attend_heads(int64_t cache_dtype, int64_t heads, const float* q, int64_t head_dim, const void* k_cache,
+                  const void* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first,
+                  int64_t n, float scale, float softcap, const float* sinks, float* scores, float* out) {
   switch (cache_dtype) {
     case kCacheF32:
-      attend<CacheF32>(q, head_dim, (const float*)k_cache, (const float*)v_cache, slot_stride, table, block_size, first,
-                       n, scale, softcap, sink, scores, out);
+      attend_kv_group<CacheF32>(heads, q, head_dim, (const float*)k_cache, (const float*)v_cache, slot_stride, table,
+                             block_size, first, n, scale, softcap, sinks, scores, out);
       break;
     case kCacheBF16:
-      attend<CacheBF16>(q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride, table,
-                        block_size, first, n, scale, softcap, sink, scores, out);
+      attend_kv_group<CacheBF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride,
+                              table, block_size, first, n, scale, softcap, sinks, scores, out);
       break;
     case kCacheF16:
-      attend<CacheF16>(q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride, table,
-                       block_size, first, n, scale, softcap, sink, scores, out);
+      attend_kv_group<CacheF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride,
+                             table, block_size, first, n, scale, softcap, sinks, scores, out);
       break;
   }
 }
@@ -924,20 +1005,19 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
   const int64_t element_bytes = cache_dtype == sluice::kCacheF32 ? 4 : 2;
 #pragma omp parallel
   {
-    std::vector<float> scores(longest + 8);
-    // One item per token and KV head: the query heads that share the KV head run back to back
-    // on one thread while its keys and values are still in cache.
+    std::vector<float> scores(sluice::kAttendScoreRows * (longest + 8));
+    // One item per token and KV head: the query heads that share the KV head share its passes over the keys
+    // and values.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
       const int64_t t = item / num_kv_heads, kv = item % num_kv_heads;
       const int64_t n = key_end(t), first = first_key(t);
-      for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-        const int64_t offset = (t * num_heads + h) * head_dim;
-        sluice::attend_head(cache_dtype, q + offset, head_dim, (const char*)k_cache + kv * head_dim * element_bytes,
-                            (const char*)v_cache + kv * head_dim * element_bytes, slot_stride,
-                            block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
-                            sinks == nullptr ? -INFINITY : sinks[h], scores.data(), out + offset);
-      }
+      const int64_t offset = (t * num_heads + kv * group) * head_dim;
+      sluice::attend_heads(cache_dtype, group, q + offset, head_dim,
+                           (const char*)k_cache + kv * head_dim * element_bytes,
+                           (const char*)v_cache + kv * head_dim * element_bytes, slot_stride,
+                           block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
+                           sinks == nullptr ? nullptr : sinks + kv * group, scores.data(), out + offset);
     }
   }
 }

@@ -16,11 +16,15 @@ void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, in
 // The KV cache's element type (KVCache's dtype, CACHE_DTYPES in engine/kernels/cpu/invariant.py).
 enum CacheDtype : int64_t { kCacheF32 = 0, kCacheBF16 = 1, kCacheF16 = 2 };
 
-// One query head q over keys [first, n) of its request, read through its block `table` from the layer's
-// caches of `cache_dtype` (slots `slot_stride` elements apart), into out; `scores` holds at least n - first + 8
-// floats.
-void attend_head(int64_t cache_dtype, const float* q, int64_t head_dim, const void* k_cache, const void* v_cache,
-                 int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale,
-                 float softcap, float sink, float* scores, float* out);
+// The rows of scores attend_heads needs, each n - first + 8 floats.
+constexpr int64_t kAttendScoreRows = 4;
+
+// `heads` query heads q[h] (head_dim apart) that share one KV head, over keys [first, n) of their request, read
+// through its block `table` from the layer's caches of `cache_dtype` (slots `slot_stride` elements apart), into
+// out[h] (head_dim apart); sinks[h] (sinks null: none) joins head h's softmax; `scores` holds kAttendScoreRows
+// * (n - first + 8) floats.
+void attend_heads(int64_t cache_dtype, int64_t heads, const float* q, int64_t head_dim, const void* k_cache,
+                  const void* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first,
+                  int64_t n, float scale, float softcap, const float* sinks, float* scores, float* out);
 
 }  // namespace sluice
