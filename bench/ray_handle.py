@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app.cluster.serve import HAPROXY_ENV  # noqa: E402
 
-# Read by Ray Serve in each process it starts, which inherit this one's environment.
+# Read by Ray Serve in each process it starts, which inherit this one's environment. HAProxy aside: it fronts
+# HTTP, which these calls do not pass through.
 for name, value in {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", **HAPROXY_ENV}.items():
     if name != "RAY_SERVE_ENABLE_HA_PROXY":
         os.environ.setdefault(name, value)

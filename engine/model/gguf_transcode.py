@@ -4,10 +4,10 @@ sign of some of Q4_0's zeros), so the kernels serve such a file's layers as they
 the same outputs.
 
 - Q4_0 (w = d * (q - 8), 4-bit q) as Q4_1 (w = d * q + m) with m = -8 * d: d * q and -8 * d are exact in
-  fp16 and float32, so their sum is the exact d * (q - 8), with one difference: where q is 8 under a negative
-  d, Q4_0's weight is -0 and Q4_1's +0. No output can tell them apart (invariant_kernels.same_weights says
-  why). 5 bits a weight where the file has 4.5; Q5_0 (w = d * q, 5-bit q less 16) would keep even the zeros'
-  signs, but its widening made steps of 8 and 32 rows slower than float32's.
+  fp16 and float32, so their sum is the exact d * (q - 8), with one difference: where that is zero (q = 8, or
+  d itself zero), Q4_0's zero carries the product's sign and Q4_1's is +0. No output can tell them apart
+  (invariant_kernels.same_weights says why). 5 bits a weight where the file has 4.5; Q5_0 (w = d * q, 5-bit q
+  less 16) would keep even the zeros' signs, but its widening made steps of 8 and 32 rows slower than float32's.
 - IQ4_NL (w = d * table[q], a 4-bit index into 16 int8 values) as Q8_0 (w = d * q, int8 q): the table's
   value as q. 8.5 bits where the file has 4.5.
 - Q3_K (w = (d * sc) * q, 6-bit sc less 32 per 16 weights, 3-bit q less 4) as Q6_K (w = (d * sc) * q, int8

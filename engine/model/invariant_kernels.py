@@ -90,7 +90,8 @@ def use_invariant_kernels(
         and head is not None
         and paged.lm_head.weight is embeddings.weight
     ):
-        # Tied: the head's packed copy holds the embedding's values exactly (_pack_as_shipped keeps no other).
+        # Tied: the head's packed copy holds the embedding's values exactly, zeros' signs aside (_pack_as_shipped
+        # keeps no other).
         paged.embed_tokens = PackedEmbedding(head)
         embeddings.weight.data = torch.empty(0)
     tower = use_invariant_tower(paged.vision, cpu_linear_kernel(library)) if paged.vision is not None else 0
@@ -164,11 +165,12 @@ def _pack_as_shipped(
 
 
 def same_weights(widened: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a packed weight widens to `weight` bit for bit, zeros of either sign alike: every kernel's
-    multiply-add chain starts from +0 and rounds to nearest, where a zero product of either sign added to +0,
-    or to anything else, gives the same sum, so a zero weight's sign reaches no output (a tied head's rows read
-    back as input embeddings carry it into the hidden state only until the first residual add, through norms
-    and linear layers, which cannot tell it either)."""
+    """Whether a packed weight widens to `weight` bit for bit, zeros of either sign alike. A zero weight's sign
+    changes at most the sign of a zero result: every kernel's multiply-add chain starts from +0 and rounds to
+    nearest, where adding a zero product of either sign leaves a nonzero sum as it is and turns +0 into +0; only a
+    sum already at -0 (a negative product too small for float32) would end -0 with one and +0 with the other.
+    Nothing downstream reads a zero's sign (norms, linear layers, attention, softmax and sampling add, multiply
+    and compare; none divides by such a value), so the tokens and logprobs are the same."""
     widened, weight = widened.view(torch.int32), weight.view(torch.int32)
     # Clearing the sign bit: +0 and -0 both read 0, and no other two values are then equal.
     zeros = (widened & 0x7FFFFFFF == 0) & (weight & 0x7FFFFFFF == 0)

@@ -41,7 +41,7 @@ def test_rewritten_blocks_dequantize_to_the_same_bits(kind):
     d_bits = generator.integers(0, 28 << 10, 2048) | generator.integers(0, 2, 2048) << 15
     original, widened = _dequantized(kind, d_bits)
     assert same_weights(torch.from_numpy(widened), torch.from_numpy(original))
-    # Only Q4_0's rewrite turns some -0 into +0 (q = 8 under a negative d); every other bit is kept.
+    # Only Q4_0's rewrite turns some -0 into +0 (its zero weights: q = 8, or d zero); every other bit is kept.
     differ = original.view(np.uint32) != widened.view(np.uint32)
     assert set(original[differ].view(np.uint32)) <= {0x80000000}
     assert differ.any() == (kind == Q4_0)

@@ -87,16 +87,24 @@ def test_attention_reads_a_narrower_cache_as_its_exact_values(library, dtype):
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (14, 2, 64), (8, 1, 80), (3, 3, 128), (16, 2, 16)]
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (14, 2, 56), (8, 1, 80), (3, 3, 128), (16, 2, 16), (12, 2, 120)],
 )
-def test_each_query_head_of_a_kv_head_s_group_gets_the_bits_it_gets_alone(library, heads, kv_heads, head_dim):
-    # The heads of a group share their passes over the keys and values, in chunks of up to four; each head's
-    # arithmetic is still its own: as with the group's keys and values repeated for each head (a group of one).
+@pytest.mark.parametrize(
+    "variant", [{}, {"softcap": 1.5, "window": 9}, {"sinks": True}], ids=["plain", "capped", "sinks"]
+)
+def test_each_query_head_of_a_kv_head_s_group_gets_the_bits_it_gets_alone(library, heads, kv_heads, head_dim, variant):
+    # The heads of a group share their passes over the keys and values, in chunks of up to four, and a value pass
+    # sums as many of a head's vectors as the registers hold (head dims of 7, 15, 10, 16, 2 and 8 vectors take
+    # every width of pass); each head's arithmetic is still its own: as with the group's keys and values repeated
+    # for each head (a group of one).
     torch.manual_seed(2)
     cache = (torch.randn(200, kv_heads, head_dim), torch.randn(200, kv_heads, head_dim))
     tables = [[7, 3, 30, 12, 44, 1, 9, 20, 33], [5, 40, 2, 18, 0, 0, 0, 0, 0]]
     q = torch.randn(12, heads, head_dim)
     rows, lens = [0] * 10 + [1, 1], [*range(21, 31), 16, 14]
-    grouped = _paged(library, q, cache, tables, rows, lens)
-    alone = _paged(library, q, tuple(c.repeat_interleave(heads // kv_heads, 1) for c in cache), tables, rows, lens)
-    assert torch.equal(grouped, alone)
+    options = {**variant, "sinks": torch.randn(heads)} if variant.get("sinks") else variant
+    meta = KernelAttentionMetadata(library, torch.tensor(tables), torch.tensor(rows), torch.tensor(lens), 4)
+    grouped = invariant_paged_attention(q, *cache, meta, 0.125, **options)
+    repeated = tuple(c.repeat_interleave(heads // kv_heads, 1) for c in cache)
+    assert torch.equal(grouped, invariant_paged_attention(q, *repeated, meta, 0.125, **options))

@@ -610,15 +610,21 @@ struct CacheF16 {
   static __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 };
 
-// The query heads attend_group takes at once (a KV head's group runs in chunks of at most this many), and the
-// head dims' vectors of 8 its value sums keep in registers at once: AVX-512's 32 vector registers hold a
-// chunk's 4 x 8 accumulators, AVX2's 16 half of them.
+// The query heads attend_group takes at once: a KV head's group runs in chunks of at most this many.
 constexpr int kGroupChunk = (int)sluice::kAttendScoreRows;
 #if defined(__AVX512F__)
-constexpr int kValueVecs = 8;
+constexpr int kVectorRegisters = 32;
 #else
-constexpr int kValueVecs = 4;
+constexpr int kVectorRegisters = 16;
 #endif
+// Keys a score pass over H heads takes at once: four (four independent chains a head hide the FMA latency)
+// where their 4 x H accumulators, the 4 keys and a query vector fit the registers, else two; and head-dim
+// vectors a value pass over H heads sums at once: as many as fit beside the H broadcast weights and the value
+// vector, at most 8. Accumulators that do not fit go to memory, a load and a store each multiply-add.
+template <int H>
+constexpr int kScoreKeys = 4 * H + 5 <= kVectorRegisters ? 4 : 2;
+template <int H>
+constexpr int kValueVecs = std::min(8, (kVectorRegisters - H - 1) / H);
 
 // The keys' rows (and values') asked of memory this many keys before they are read: a pass serving several
 // heads has so much arithmetic a key that the processor's own look-ahead reaches only a few keys ahead.
@@ -677,31 +683,32 @@ void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
     return k_cache + slot * slot_stride;
   };
-  // Scores four keys at a time: independent chains hide the FMA latency, and each key's chain is the same
-  // whichever group it falls in.
+  // Scores kScoreKeys keys at a time: each key's chain is the same whichever group it falls in.
+  constexpr int kKeys = kScoreKeys<H>;
   float best[H];
   for (int h = 0; h < H; ++h) best[h] = -INFINITY;
   int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    for (int i = 0; i < 4; ++i)
+  for (; j + kKeys <= count; j += kKeys) {
+    for (int i = 0; i < kKeys; ++i)
       if (j + kAheadKeys + i < count) prefetch_row(key_at(j + kAheadKeys + i), head_dim * (int64_t)sizeof(E));
-    const E* keys[4] = {key_at(j), key_at(j + 1), key_at(j + 2), key_at(j + 3)};
-    __m256 acc[H][4];
+    const E* keys[kKeys];
+    for (int i = 0; i < kKeys; ++i) keys[i] = key_at(j + i);
+    __m256 acc[H][kKeys];
     for (int h = 0; h < H; ++h)
-      for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+      for (int i = 0; i < kKeys; ++i) acc[h][i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < vecs; ++d) {
-      __m256 k[4];
+      __m256 k[kKeys];
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) k[i] = C::load8(keys[i] + d * 8);
+      for (int i = 0; i < kKeys; ++i) k[i] = C::load8(keys[i] + d * 8);
       for (int h = 0; h < H; ++h) {
         const __m256 query = _mm256_loadu_ps(q + h * head_dim + d * 8);
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_fmadd_ps(query, k[i], acc[h][i]);
+        for (int i = 0; i < kKeys; ++i) acc[h][i] = _mm256_fmadd_ps(query, k[i], acc[h][i]);
       }
     }
     for (int h = 0; h < H; ++h)
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kKeys; ++i) {
         scores[h * scores_stride + j + i] = hsum(acc[h][i]) * scale;
         best[h] = std::max(best[h], scores[h * scores_stride + j + i]);
       }
@@ -745,7 +752,8 @@ void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v
     if (sink != -INFINITY) sum += expf(sink - best[h]);
     inverse[h] = 1.0f / sum;
   }
-  // The head dim's vectors kValueVecs a pass, then what is left in passes of 4, 2 and 1.
+  // The head dim's vectors kValueVecs<H> a pass, then what is left in passes of 4, 2 and 1.
+  constexpr int kWidest = kValueVecs<H>;
   int64_t d0 = 0;
   auto pass = [&](auto width) {
     constexpr int kWidth = decltype(width)::value;
@@ -753,17 +761,17 @@ void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v
                                inverse, head_dim, out);
     d0 += kWidth;
   };
-  while (d0 + kValueVecs <= vecs) pass(std::integral_constant<int, kValueVecs>{});
-  if (kValueVecs > 4 && d0 + 4 <= vecs) pass(std::integral_constant<int, 4>{});
-  if (d0 + 2 <= vecs) pass(std::integral_constant<int, 2>{});
+  while (d0 + kWidest <= vecs) pass(std::integral_constant<int, kWidest>{});
+  if (kWidest > 4 && d0 + 4 <= vecs) pass(std::integral_constant<int, 4>{});
+  if (kWidest > 2 && d0 + 2 <= vecs) pass(std::integral_constant<int, 2>{});
   if (d0 < vecs) pass(std::integral_constant<int, 1>{});
 }
 
 // `heads` query heads of one KV head, in chunks of kGroupChunk (sluice::attend_heads).
 template <class C, class E = typename C::Element>
 void attend_kv_group(int64_t heads, const float* q, int64_t head_dim, const E* k_cache, const E* v_cache,
-                  int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n,
-                  float scale, float softcap, const float* sinks, float* scores, float* out) {
+                     int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n,
+                     float scale, float softcap, const float* sinks, float* scores, float* out) {
   const int64_t stride = n - first + 8;
   for (int64_t h0 = 0; h0 < heads; h0 += kGroupChunk) {
     const float* chunk_sinks = sinks == nullptr ? nullptr : sinks + h0;
@@ -828,16 +836,16 @@ void attend_heads(int64_t cache_dtype, int64_t heads, const float* q, int64_t he
                   int64_t n, float scale, float softcap, const float* sinks, float* scores, float* out) {
   switch (cache_dtype) {
     case kCacheF32:
-      attend_kv_group<CacheF32>(heads, q, head_dim, (const float*)k_cache, (const float*)v_cache, slot_stride, table,
-                             block_size, first, n, scale, softcap, sinks, scores, out);
+      attend_kv_group<CacheF32>(heads, q, head_dim, (const float*)k_cache, (const float*)v_cache, slot_stride,
+                                table, block_size, first, n, scale, softcap, sinks, scores, out);
       break;
     case kCacheBF16:
-      attend_kv_group<CacheBF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride,
-                              table, block_size, first, n, scale, softcap, sinks, scores, out);
+      attend_kv_group<CacheBF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache,
+                                 slot_stride, table, block_size, first, n, scale, softcap, sinks, scores, out);
       break;
     case kCacheF16:
-      attend_kv_group<CacheF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache, slot_stride,
-                             table, block_size, first, n, scale, softcap, sinks, scores, out);
+      attend_kv_group<CacheF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache,
+                                slot_stride, table, block_size, first, n, scale, softcap, sinks, scores, out);
       break;
   }
 }
