@@ -141,7 +141,9 @@ def random_blocks(
     generator = np.random.default_rng(out_features * 7919 + in_features + 104729 * seed)
     data = generator.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
     halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[kind.name]).astype(np.float16)
-    where = SCALE_BYTES[kind] if isinstance(kind, WeightForm) else TRANSCODED_SCALE_BYTES[kind.name]
+    where = (
+        SCALE_BYTES[WeightForm[kind.name]] if kind.name in WeightForm.__members__ else TRANSCODED_SCALE_BYTES[kind.name]
+    )
     data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
     return torch.from_numpy(data.reshape(out_features, -1).copy())
 

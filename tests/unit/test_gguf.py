@@ -82,40 +82,26 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form
     assert [t for t, _ in served] == [t for t, _ in expected]
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K], ids=lambda form: form.name)
-async def test_a_k_quant_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
-    # Rows of 256 and 512 weights, whole super-blocks; gguf has no k-quant quantizer, so the file holds
-    # random blocks: its own weights, which transformers reads as it reads any.
-    model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    kind = gguf.GGMLQuantizationType[form.name]
-    # A seed per tensor, so tensors of one shape (q and o, gate and up) are not the same blocks.
-    seeds = itertools.count()
-    path = write_gguf(
-        model,
-        tmp_path / f"tiny-llama-{form.name}.gguf",
-        kind,
-        lambda data, _: random_blocks(form, *data.shape, seed=next(seeds)).numpy(),
-    )
-    loaded, served = await _served(path)
-    forms = [packed.form for packed in loaded.model._packed.values()]
-    assert forms.count(form) == 2 * 7 + 1
-    expected = hf_greedy_logprobs(_transformers_reading(path), PROMPT, NEW_TOKENS)
-    assert [t for t, _ in served] == [t for t, _ in expected]
-
-
 @pytest.mark.parametrize(
     ("kind", "form"),
     [
+        (gguf.GGMLQuantizationType.Q4_K, WeightForm.Q4_K),
+        (gguf.GGMLQuantizationType.Q5_K, WeightForm.Q5_K),
+        (gguf.GGMLQuantizationType.Q6_K, WeightForm.Q6_K),
+        # Types the kernels read as blocks of another form (engine/model/gguf_transcode.py).
         (gguf.GGMLQuantizationType.Q4_0, WeightForm.Q4_1),
         (gguf.GGMLQuantizationType.IQ4_NL, WeightForm.Q8_0),
         (gguf.GGMLQuantizationType.Q3_K, WeightForm.Q6_K),
     ],
     ids=lambda value: value.name,
 )
-async def test_a_gguf_of_a_type_the_kernels_read_as_another_form_is_served_in_its_blocks(tmp_path, kind, form):
+async def test_a_gguf_of_random_blocks_is_served_in_the_kernels_forms(tmp_path, kind, form):
+    # Rows of 256 and 512 weights, whole super-blocks. gguf has no quantizer for the k-quants or IQ4_NL, and the
+    # tiny random model's weights quantized would leave its logits close enough for the kernels' rounding to
+    # change which is highest: so the file holds random blocks, whose weights spread as a trained model's, its
+    # own weights, which transformers reads as it reads any.
     model = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    # Random blocks, as for the k-quants, whose weights spread as a trained model's: the tiny random model's own,
-    # quantized, leave logits close enough for the kernels' rounding to change which is highest.
+    # A seed per tensor, so tensors of one shape (q and o, gate and up) are not the same blocks.
     seeds = itertools.count()
     path = write_gguf(
         model,
