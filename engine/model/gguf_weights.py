@@ -3,8 +3,8 @@ as, for the batch-invariant CPU kernels.
 
 Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
 order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
-changes no output while each step reads 4.5 bits per weight (Q4_K), 5 (Q4_1), 5.5 (Q5_0, Q5_K), 6 (Q5_1), 6.6
-(Q6_K) or 8.5 (Q8_0) instead of 32. Q4_0, IQ4_NL and Q3_K blocks are rewritten as blocks of one of those forms
+changes no output while each step reads 4.5 bits per weight (Q4_K), 5 (Q4_1), 5.1 (Q2_K), 5.5 (Q5_0, Q5_K), 6
+(Q5_1), 6.6 (Q6_K) or 8.5 (Q8_0) instead of 32. Q4_0, IQ4_NL and Q3_K blocks are rewritten as blocks of one of those forms
 that hold the same weights (engine/model/gguf_transcode.py).
 """
 
@@ -26,6 +26,7 @@ _FORMS = {
     GGMLQuantizationType.Q4_K: WeightForm.Q4_K,
     GGMLQuantizationType.Q5_K: WeightForm.Q5_K,
     GGMLQuantizationType.Q6_K: WeightForm.Q6_K,
+    GGMLQuantizationType.Q2_K: WeightForm.Q2_K,
 }
 # A decoder layer's projection, by its Llama module name, to its GGUF tensor's.
 _LAYER_TENSORS = {

@@ -88,6 +88,7 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form
         (gguf.GGMLQuantizationType.Q4_K, WeightForm.Q4_K),
         (gguf.GGMLQuantizationType.Q5_K, WeightForm.Q5_K),
         (gguf.GGMLQuantizationType.Q6_K, WeightForm.Q6_K),
+        (gguf.GGMLQuantizationType.Q2_K, WeightForm.Q2_K),
         # Types the kernels read as blocks of another form (engine/model/gguf_transcode.py).
         (gguf.GGMLQuantizationType.Q4_0, WeightForm.Q4_1),
         (gguf.GGMLQuantizationType.IQ4_NL, WeightForm.Q8_0),

@@ -25,7 +25,7 @@ SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
 FIVE_BIT_SHAPES = [(1536, 576), (577, 1536), (100, 64), (1, 32), (17, 96)]
 # The k-quants' super-blocks span 256 weights of K; N is no multiple of a panel's 16 columns.
 SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)]
-K_QUANTS = (WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K)
+K_QUANTS = (WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K, WeightForm.Q2_K)
 FIVE_BITS = (WeightForm.Q5_0, WeightForm.Q5_1)
 
 
@@ -66,8 +66,9 @@ def test_gguf_blocks_give_the_float32_kernels_bits(library, form, out_features, 
     weight = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]).reshape(out_features, in_features))
     packed = PackedLinear.pack_blocks(library, form, blocks, out_features, in_features)
     # The blocks' own bytes, the last panel's columns padded to 16 (Q4_K's and Q5_K's sub-block scales and
-    # minimums take a byte each, 16 of a block's bytes where they were 12).
-    block_bytes = BLOCK_BYTES[form] + (4 if form in (WeightForm.Q4_K, WeightForm.Q5_K) else 0)
+    # minimums take a byte each, 16 of a block's bytes where they were 12; Q2_K's take a byte each where they
+    # shared one, and its 2-bit values a nibble each: 164 where there were 84).
+    block_bytes = BLOCK_BYTES[form] + {WeightForm.Q4_K: 4, WeightForm.Q5_K: 4, WeightForm.Q2_K: 80}.get(form, 0)
     assert packed.panels.numel() == -(-out_features // 16) * 16 * in_features // BLOCK_WEIGHTS[form] * block_bytes
     assert_same_bits(library, packed, weight)
 

@@ -71,6 +71,9 @@ constexpr int64_t kMaxBlock = 256;
 //          6-bit two's complement, column c's at bits 6c to 6c + 5, and the columns' int8 scales; w = (d *
 //          scale) * q, as GGUF's dequantizer computes it: d * scale is exact, the product with q rounds once.
 //          A byte shuffle gives each lane the 4 bytes holding its field, two shifts sign-extend it in place.
+//   kQ2_K: kQ4_K's with groups of 16 k: per 256 k, d then dmin; per 16 k, sc and m (GGUF's 4 bits each, a byte
+//          each here) and 8 x 16 bytes of nibbles holding GGUF's 2-bit q; w = (d * sc) * q - (dmin * m), one
+//          rounding as kQ4_K's. 5.1 bits a weight where the blocks hold 2.6: a 2-bit widening would read fewer.
 // The k-quants' super-block scales sit in a header before each 256 k of groups, read once a group: a Q6_K
 // panel holds as many bytes a weight as the GGUF blocks it came from, a Q4_K one 148 for each 144 and a Q5_K
 // one 180 for each 176 (their 6-bit scales and mins unpacked to a byte each, which the kernels then read with
@@ -85,6 +88,7 @@ enum Form : int64_t {
   kQ5_K = 6,
   kQ5_0 = 7,
   kQ5_1 = 8,
+  kQ2_K = 9,
 };
 
 // A form's groups of kGroup k, each with its own Scales, GroupBytes apart in a panel; sl_pack reads the
@@ -219,14 +223,14 @@ struct Fives : Groups<32, 32 * 10 + kPanel * (Offset ? 4 : 2)> {
 using Q5_0 = Fives<false>;
 using Q5_1 = Fives<true>;
 
-// Q4_K and Q5_K (Fifths: 5-bit q); a group: sc, m, then the nibbles (kQ4_1's layout), or the 5-bit fields,
-// then sc, m.
-template <bool Fifths>
-struct MinScaled : SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2), kPanel * 4> {
-  using Base = SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2), kPanel * 4>;
+// Q4_K and Q5_K (Fifths: 5-bit q), groups of 32 k, and Q2_K, groups of 16 k; a group: sc, m, then the nibbles
+// (kQ4_1's layout), or the 5-bit fields, then sc, m.
+template <bool Fifths, int Group = 32>
+struct MinScaled : SuperBlocks<Group, kPanel * 2 + Group * (Fifths ? 10 : kPanel / 2), kPanel * 4> {
+  using Base = SuperBlocks<Group, kPanel * 2 + Group * (Fifths ? 10 : kPanel / 2), kPanel * 4>;
   static constexpr int kStep = Fifths ? 1 : 2;  // nibbles: two k a load, as kQ4_1's
   // Offsets in a group of the scales sc (the mins m follow them) and of the values q.
-  static constexpr int64_t kScales = Fifths ? 32 * 10 : 0, kValues = Fifths ? 0 : kPanel * 2;
+  static constexpr int64_t kScales = Fifths ? Group * 10 : 0, kValues = Fifths ? 0 : kPanel * 2;
   struct Scales {
     Lanes d, m;  // d * sc and dmin * m
   };
@@ -247,16 +251,17 @@ struct MinScaled : SuperBlocks<32, kPanel * 2 + 32 * (Fifths ? 10 : kPanel / 2),
     }
   }
   static float scalar(const uint8_t* panel, int64_t k, int c) {
-    const uint8_t* head = panel + Base::header(k / 32);
-    const uint8_t* group = panel + Base::offset(k / 32);
+    const uint8_t* head = panel + Base::header(k / Group);
+    const uint8_t* group = panel + Base::offset(k / Group);
     const float d = half_to_float(head, c) * (float)group[kScales + c];
     const float m = half_to_float(head + kPanel * 2, c) * (float)group[kScales + kPanel + c];
-    const int q = Fifths ? five(group, (int)(k % 32), c) : nibble(group + kValues, (int)(k % 32), c);
+    const int q = Fifths ? five(group, (int)(k % Group), c) : nibble(group + kValues, (int)(k % Group), c);
     return d * (float)q - m;
   }
 };
 using Q4_K = MinScaled<false>;
 using Q5_K = MinScaled<true>;
+using Q2_K = MinScaled<false, 16>;
 
 struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
   static constexpr int64_t kScales = 16 * 12;  // the scales' offset in a group
@@ -815,6 +820,7 @@ void with_form(int64_t form, Run run) {
     case kQ4_K: run(Q4_K{}); break;
     case kQ5_K: run(Q5_K{}); break;
     case kQ6_K: run(Q6_K{}); break;
+    case kQ2_K: run(Q2_K{}); break;
     // The Python side names only these forms; any other is a bug there, not an input to serve.
     default: abort();
   }
@@ -952,6 +958,27 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
           memcpy(&window, dst + kk * 12 + 6 * c / 8, 2);
           window |= (uint16_t)((low | high << 4) ^ 32) << (6 * c % 8);
           memcpy(dst + kk * 12 + 6 * c / 8, &window, 2);
+        }
+      });
+      break;
+    case kQ2_K:
+      // A block: 16 bytes of scales (sub-block s's sc in byte s's low nibble, its m in the high one), 64 bytes
+      // of q (weight 128h + 32t + j's 2 bits at bits 2t of byte 32h + j), d, dmin (fp16). Its 2-bit values
+      // go into the panel as nibbles.
+      pack_panels<Q2_K>(n_dim, k_dim, wp, [&](int64_t n, int64_t b, uint8_t* panel) {
+        const uint8_t* block = src + (n * (k_dim / 256) + b) * 84;
+        const int c = (int)(n % kPanel);
+        uint8_t* head = panel + Q2_K::header(b * 16);
+        memcpy(head + c * 2, block + 80, 2);
+        memcpy(head + kPanel * 2 + c * 2, block + 82, 2);
+        for (int sub = 0; sub < 16; ++sub) {
+          uint8_t* dst = panel + Q2_K::offset(b * 16 + sub);
+          dst[Q2_K::kScales + c] = block[sub] & 15;
+          dst[Q2_K::kScales + kPanel + c] = block[sub] >> 4;
+          for (int kk = 0; kk < 16; ++kk) {
+            const int i = sub * 16 + kk, h = i / 128, t = i % 128 / 32, j = i % 32;
+            set_nibble(dst + Q2_K::kValues, kk, c, block[16 + h * 32 + j] >> (2 * t) & 3);
+          }
         }
       });
       break;

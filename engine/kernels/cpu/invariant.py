@@ -38,6 +38,9 @@ class WeightForm(IntEnum):
     Q5_K = 6
     Q5_0 = 7
     Q5_1 = 8
+    # GGUF's Q2_K: super-blocks of 256 weights, w = (d * sc) * q - (dmin * m) with 2-bit q and 4-bit sc and m per
+    # 16 weights (Q4_K's arithmetic).
+    Q2_K = 9
 
 
 # A GGUF block's weights along K and its bytes, per form.
@@ -49,6 +52,7 @@ BLOCK_WEIGHTS = {
     WeightForm.Q4_K: 256,
     WeightForm.Q5_K: 256,
     WeightForm.Q6_K: 256,
+    WeightForm.Q2_K: 256,
 }
 BLOCK_BYTES = {
     WeightForm.Q8_0: 34,
@@ -58,9 +62,10 @@ BLOCK_BYTES = {
     WeightForm.Q4_K: 144,
     WeightForm.Q5_K: 176,
     WeightForm.Q6_K: 210,
+    WeightForm.Q2_K: 84,
 }
 # Where a GGUF block keeps its fp16 values: d (Q8_0, Q5_0); d then m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); d at its
-# end (Q6_K).
+# end (Q6_K), d then dmin at their end (Q2_K).
 SCALE_BYTES = {
     WeightForm.Q8_0: slice(0, 2),
     WeightForm.Q4_1: slice(0, 4),
@@ -69,6 +74,7 @@ SCALE_BYTES = {
     WeightForm.Q4_K: slice(0, 4),
     WeightForm.Q5_K: slice(0, 4),
     WeightForm.Q6_K: slice(208, 210),
+    WeightForm.Q2_K: slice(80, 84),
 }
 
 # The KV cache dtypes the attention kernel reads, widening each element exactly (CacheDtype in invariant.h).
