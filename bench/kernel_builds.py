@@ -38,10 +38,14 @@ def random_source(form: WeightForm, out_features: int, in_features: int) -> torc
     generator = np.random.default_rng(0)
     count = in_features // BLOCK_WEIGHTS[form]
     blocks = generator.integers(0, 256, (out_features, count, BLOCK_BYTES[form]), dtype=np.uint8)
-    where = SCALE_BYTES[form]
-    halves = (where.stop - where.start) // 2
-    scales = (generator.standard_normal((out_features, count, halves)) * 0.05).astype(np.float16)
-    blocks[..., where] = scales.view(np.uint8)
+    if form == WeightForm.Q8_F32:
+        scales = (generator.standard_normal((out_features, count, 1)) * 0.05).astype(np.float32)
+        blocks[..., :4] = scales.view(np.uint8)
+    else:
+        where = SCALE_BYTES[form]
+        halves = (where.stop - where.start) // 2
+        scales = (generator.standard_normal((out_features, count, halves)) * 0.05).astype(np.float16)
+        blocks[..., where] = scales.view(np.uint8)
     return torch.from_numpy(blocks.reshape(out_features, -1))
 
 

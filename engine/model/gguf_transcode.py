@@ -13,8 +13,18 @@ the same outputs.
 - Q3_K (w = (d * sc) * q, 6-bit sc less 32 per 16 weights, 3-bit q less 4) as Q6_K (w = (d * sc) * q, int8
   sc per 16 weights, 6-bit q less 32): the same d, sc and q in the wider fields. 6.6 bits where the file has
   3.4.
+- TQ1_0 and TQ2_0 (w = d * q, ternary q, one fp16 d per 256) as Q8_0: d in each of the 8 blocks. 8.5 bits where
+  the files have 1.7 and 2.1.
+- IQ4_XS (w = (d * sc) * table[q], IQ4_NL's table, 6-bit sc less 32 per 32 weights), IQ3_S, IQ3_XXS and
+  IQ2_XXS (w = (d * u) * grid * sign: u a per-32 factor of the scale bits, 1 + 2s, (0.5 + s) / 2 or
+  (0.5 + s) / 4; grid an entry of the type's grid, small integers) and MXFP4 (w = d * q, d a power of two, q
+  an int8 of GGUF's doubled e2m1 table) as Q8_F32 (w = d' * q', float32 d' and int8 q' per 32 weights). d * sc
+  and d * u are exact in float32 (11 significant bits times 6 or 5), so d' = d * u, q' = grid * sign gives one
+  rounding where GGUF's dequantizer rounds (d * u) * grid once: the same value (rounding to nearest is
+  symmetric in the sign). The IQ grids' values are read as GGUF's dequantizer gives them, with d = 1. 9 bits
+  where the files have 4.25, 3.44, 3.06, 2.06 and 4.25.
 
-Each is still 4 to 9 times fewer bytes a step than float32; the loader checks every packed weight against its
+Each is still 3.5 to 9 times fewer bytes a step than float32; the loader checks every packed weight against its
 float32 conversion as it does for every form, and keeps float32 where they differ (a Q4_0 d so large that -8 *
 d overflows fp16, say).
 """
@@ -24,12 +34,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+from gguf.quants import MXFP4
 
 from engine.kernels.cpu.invariant import WeightForm
 
 # IQ4_NL's 16 values (GGUF's kvalues_iq4nl).
 _IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+_FP16_ONE = np.array([1.0], dtype=np.float16).view(np.uint8)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -78,11 +92,103 @@ def q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(*shape, 128), qh.reshape(*shape, 64), scales.view(np.uint8), d], axis=-1)
 
 
+def _q8_f32(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q8_F32 blocks [..., 36 bytes: float32 d, 32 int8] from d [..., groups] and q [..., groups, 32]."""
+    d_bytes = d.astype(np.float32)[..., None].view(np.uint8)
+    blocks = np.concatenate([d_bytes, q.astype(np.int8).view(np.uint8)], axis=-1)
+    return blocks.reshape(*blocks.shape[:-2], -1)
+
+
+def _unit_weights(kind: GGMLQuantizationType, blocks: np.ndarray, d_at: slice) -> np.ndarray:
+    """`kind`'s blocks [..., bytes] dequantized by GGUF with their fp16 d (at `d_at`) made 1, [..., weights]: each
+    weight its scale factor times its integer, exact in float32."""
+    ones = blocks.copy()
+    ones[..., d_at] = _FP16_ONE
+    flat = ones.reshape(-1, blocks.shape[-1])
+    return dequantize(flat, kind).reshape(*blocks.shape[:-1], -1)
+
+
+def _fp16_d(blocks: np.ndarray, d_at: slice) -> np.ndarray:
+    return blocks[..., d_at].copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def tq_as_q8_0(kind: GGMLQuantizationType) -> Callable[[np.ndarray], np.ndarray]:
+    """TQ1_0 or TQ2_0 super-blocks [..., 54 or 66 bytes, d the last 2] as 8 Q8_0 blocks [..., 8 * 34]."""
+
+    def rewrite(blocks: np.ndarray) -> np.ndarray:
+        d_at = slice(blocks.shape[-1] - 2, blocks.shape[-1])
+        q = _unit_weights(kind, blocks, d_at).astype(np.int8).reshape(*blocks.shape[:-1], 8, 32)
+        d = np.broadcast_to(blocks[..., None, d_at], (*blocks.shape[:-1], 8, 2))
+        return np.concatenate([d, q.view(np.uint8)], axis=-1).reshape(*blocks.shape[:-1], -1)
+
+    return rewrite
+
+
+def iq4_xs_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks [..., 136 bytes: d, 2 bytes of the 8 scales' high 2 bits (scale i's at bits 2i), 4 of
+    their low 4 bits (scale i's in byte i // 2, nibble i % 2), 8 x 16 bytes of IQ4_NL's nibbles] as 8 Q8_F32
+    blocks."""
+    high = blocks[..., 2:4].copy().view(np.uint16)
+    i = np.arange(8)
+    low = blocks[..., 4 + i // 2] >> (4 * (i % 2)) & 15
+    scales = (low | ((high >> (2 * i)) & 3).astype(np.uint8) << 4).astype(np.int8) - 32
+    d = _fp16_d(blocks, slice(0, 2))[..., None] * scales.astype(np.float32)
+    q = _IQ4_NL_VALUES[_nibbles(blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16))]
+    return _q8_f32(d, q)
+
+
+def mxfp4_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks [..., 17 bytes: an e8m0 exponent, 16 bytes of nibbles] as Q8_F32 blocks: d GGUF's (half the
+    block's power of two), q its doubled e2m1 values."""
+    d = MXFP4.e8m0_to_fp32_half(blocks[..., 0].astype(np.uint32))
+    return _q8_f32(d, np.array(MXFP4.kvalues, dtype=np.int8)[_nibbles(blocks[..., 1:])])
+
+
+def grid_as_q8_f32(
+    kind: GGMLQuantizationType, unit: Callable[[np.ndarray], np.ndarray]
+) -> Callable[[np.ndarray], np.ndarray]:
+    """IQ3_S, IQ3_XXS or IQ2_XXS super-blocks [..., bytes, d the first 2] as 8 Q8_F32 blocks: unit(blocks)
+    [..., 8] is each 32 weights' factor u of its scale bits, so that w = (d * u) * (grid * sign)."""
+
+    def rewrite(blocks: np.ndarray) -> np.ndarray:
+        u = unit(blocks)
+        weights = _unit_weights(kind, blocks, slice(0, 2)).reshape(*blocks.shape[:-1], 8, 32)
+        return _q8_f32(_fp16_d(blocks, slice(0, 2))[..., None] * u, np.rint(weights / u[..., None]))
+
+    return rewrite
+
+
+def _top_nibbles(blocks: np.ndarray, at: int, stride: int) -> np.ndarray:
+    """The top 4 bits of the 8 little-endian 32-bit words `stride` words apart from byte `at` of each block, as
+    float32 [..., 8]: each 32 weights' scale bits in IQ2_XXS (stride 2) and IQ3_XXS (stride 1)."""
+    words = blocks[..., at : at + 32 * stride].copy().view("<u4")[..., stride - 1 :: stride]
+    return (words >> 28).astype(np.float32)
+
+
+def _iq3_s_unit(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_S's 8 factors 1 + 2s, s the 4-bit scales of its last 4 bytes (scale i in byte i // 2, nibble i % 2)."""
+    i = np.arange(8)
+    return (1 + 2 * (blocks[..., 106 + i // 2] >> (4 * (i % 2)) & 15)).astype(np.float32)
+
+
 # A GGUF type → the form its blocks are rewritten as, and how: rows [N, K / block weights * block bytes].
 TRANSCODED: dict[GGMLQuantizationType, tuple[WeightForm, Callable[[np.ndarray], np.ndarray]]] = {
     GGMLQuantizationType.Q4_0: (WeightForm.Q4_1, q4_0_as_q4_1),
     GGMLQuantizationType.IQ4_NL: (WeightForm.Q8_0, iq4_nl_as_q8_0),
     GGMLQuantizationType.Q3_K: (WeightForm.Q6_K, q3_k_as_q6_k),
+    GGMLQuantizationType.TQ1_0: (WeightForm.Q8_0, tq_as_q8_0(GGMLQuantizationType.TQ1_0)),
+    GGMLQuantizationType.TQ2_0: (WeightForm.Q8_0, tq_as_q8_0(GGMLQuantizationType.TQ2_0)),
+    GGMLQuantizationType.IQ4_XS: (WeightForm.Q8_F32, iq4_xs_as_q8_f32),
+    GGMLQuantizationType.MXFP4: (WeightForm.Q8_F32, mxfp4_as_q8_f32),
+    GGMLQuantizationType.IQ3_S: (WeightForm.Q8_F32, grid_as_q8_f32(GGMLQuantizationType.IQ3_S, _iq3_s_unit)),
+    GGMLQuantizationType.IQ3_XXS: (
+        WeightForm.Q8_F32,
+        grid_as_q8_f32(GGMLQuantizationType.IQ3_XXS, lambda blocks: (0.5 + _top_nibbles(blocks, 66, 1)) * 0.5),
+    ),
+    GGMLQuantizationType.IQ2_XXS: (
+        WeightForm.Q8_F32,
+        grid_as_q8_f32(GGMLQuantizationType.IQ2_XXS, lambda blocks: (0.5 + _top_nibbles(blocks, 2, 2)) * 0.25),
+    ),
 }
 
 

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-from engine.kernels.cpu.invariant import SCALE_BYTES, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, WeightForm
 
 # The byte-level alphabet: each byte's character, in byte order.
 BYTES = [bytes_to_unicode()[byte] for byte in range(256)]
@@ -125,10 +125,27 @@ SCALE_SPREAD = {
     "Q4_0": 0.05,
     "IQ4_NL": 4e-3,
     "Q3_K": 6e-3,
+    "TQ1_0": 0.1,
+    "TQ2_0": 0.1,
+    "IQ4_XS": 2.5e-4,
+    "IQ3_S": 1.5e-3,
+    "IQ3_XXS": 1.7e-3,
+    "IQ2_XXS": 4e-3,
+    "Q8_F32": 0.05,
 }
 # Where the GGUF types the kernels take as blocks of another form (engine/model/gguf_transcode.py) keep their
-# fp16 scale d.
-TRANSCODED_SCALE_BYTES = {"Q4_0": slice(0, 2), "IQ4_NL": slice(0, 2), "Q3_K": slice(108, 110)}
+# fp16 scale d (MXFP4's is an exponent byte, its first).
+TRANSCODED_SCALE_BYTES = {
+    "Q4_0": slice(0, 2),
+    "IQ4_NL": slice(0, 2),
+    "Q3_K": slice(108, 110),
+    "TQ1_0": slice(52, 54),
+    "TQ2_0": slice(64, 66),
+    "IQ4_XS": slice(0, 2),
+    "IQ3_S": slice(0, 2),
+    "IQ3_XXS": slice(0, 2),
+    "IQ2_XXS": slice(0, 2),
+}
 
 
 def random_blocks(
@@ -136,17 +153,36 @@ def random_blocks(
 ) -> torch.Tensor:
     """GGUF blocks of `kind` (a form's, or a GGUF type's) with random fp16 scales (and offsets, or minimums'
     scales) and every other byte drawn: the quantized values and the k-quants' sub-block scales, any of whose
-    bits are valid. The same shape and `seed` draw the same blocks."""
-    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind.name]]
+    bits are valid. The same shape and `seed` draw the same blocks. Q8_F32's scales are float32, MXFP4's
+    exponents 2^-7 to 2^-5."""
+    form = WeightForm.__members__.get(kind.name)
+    if form is not None:
+        block_weights, block_bytes = BLOCK_WEIGHTS[form], BLOCK_BYTES[form]
+    else:
+        block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = out_features * in_features // block_weights
     generator = np.random.default_rng(out_features * 7919 + in_features + 104729 * seed)
     data = generator.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
-    halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[kind.name]).astype(np.float16)
-    where = (
-        SCALE_BYTES[WeightForm[kind.name]] if kind.name in WeightForm.__members__ else TRANSCODED_SCALE_BYTES[kind.name]
-    )
-    data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
+    if kind.name == "MXFP4":
+        data[:, 0] = generator.integers(121, 124, blocks)
+    elif form == WeightForm.Q8_F32:
+        scales = (generator.standard_normal((blocks, 1)) * SCALE_SPREAD[kind.name]).astype(np.float32)
+        data[:, :4] = scales.view(np.uint8)
+    else:
+        halves = (generator.standard_normal((blocks, 2)) * SCALE_SPREAD[kind.name]).astype(np.float16)
+        where = SCALE_BYTES[form] if form is not None else TRANSCODED_SCALE_BYTES[kind.name]
+        data[:, where] = halves.view(np.uint8)[:, : where.stop - where.start]
     return torch.from_numpy(data.reshape(out_features, -1).copy())
+
+
+def dequantized(form: WeightForm, blocks: np.ndarray) -> np.ndarray:
+    """Rows of `form`'s blocks [N, bytes] as the loader converts them, [N, weights]: GGUF's dequantizer, or
+    Q8_F32's d * q (GGUF has no such type)."""
+    if form != WeightForm.Q8_F32:
+        return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[form.name])
+    rows = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[form])
+    d = rows[..., :4].copy().view(np.float32)
+    return (d * rows[..., 4:].view(np.int8).astype(np.float32)).reshape(blocks.shape[0], -1)
 
 
 def random_weight_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:

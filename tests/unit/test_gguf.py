@@ -93,6 +93,13 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form
         (gguf.GGMLQuantizationType.Q4_0, WeightForm.Q4_1),
         (gguf.GGMLQuantizationType.IQ4_NL, WeightForm.Q8_0),
         (gguf.GGMLQuantizationType.Q3_K, WeightForm.Q6_K),
+        (gguf.GGMLQuantizationType.TQ1_0, WeightForm.Q8_0),
+        (gguf.GGMLQuantizationType.TQ2_0, WeightForm.Q8_0),
+        (gguf.GGMLQuantizationType.IQ4_XS, WeightForm.Q8_F32),
+        (gguf.GGMLQuantizationType.IQ3_S, WeightForm.Q8_F32),
+        (gguf.GGMLQuantizationType.IQ3_XXS, WeightForm.Q8_F32),
+        (gguf.GGMLQuantizationType.IQ2_XXS, WeightForm.Q8_F32),
+        (gguf.GGMLQuantizationType.MXFP4, WeightForm.Q8_F32),
     ],
     ids=lambda value: value.name,
 )

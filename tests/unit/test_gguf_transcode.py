@@ -10,25 +10,27 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS
 from engine.model.gguf_transcode import TRANSCODED, transcode
 from engine.model.invariant_kernels import same_weights
-from tests.unit.gguf_files import TRANSCODED_SCALE_BYTES
+from tests.unit.gguf_files import TRANSCODED_SCALE_BYTES, dequantized
 
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 
 
 def _dequantized(kind: gguf.GGMLQuantizationType, d_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of random blocks of `kind` with these fp16 scales d (one per block, as bits), dequantized as they
-    are and as rewritten."""
+    """Rows of random blocks of `kind` with these fp16 scales d (one per block, as bits; MXFP4's exponent byte is
+    drawn with the rest, every one of the 256 among 2048 blocks), dequantized as they are and as rewritten."""
     block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     rows = np.random.default_rng(0).integers(0, 256, (len(d_bits), block_bytes), dtype=np.uint8)
-    rows[:, TRANSCODED_SCALE_BYTES[kind.name]] = d_bits.astype("<u2").view(np.uint8).reshape(-1, 2)
+    if kind.name in TRANSCODED_SCALE_BYTES:
+        rows[:, TRANSCODED_SCALE_BYTES[kind.name]] = d_bits.astype("<u2").view(np.uint8).reshape(-1, 2)
     form, rewritten = transcode(kind, rows)
     assert rewritten.dtype == np.uint8
-    assert rewritten.shape == (len(d_bits), gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[form.name]][1])
+    assert rewritten.shape == (len(d_bits), block_weights // BLOCK_WEIGHTS[form] * BLOCK_BYTES[form])
     with np.errstate(invalid="ignore", over="ignore"):
         original = gguf.quants.dequantize(rows, kind)
-        widened = gguf.quants.dequantize(rewritten, gguf.GGMLQuantizationType[form.name])
+        widened = dequantized(form, rewritten)
     assert original.shape == widened.shape == (len(d_bits), block_weights)
     return original, widened
 

@@ -1,5 +1,5 @@
-"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
-Q6_K blocks, bfloat16):
+"""The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K
+and Q6_K blocks, Q8_F32's that other GGUF types are rewritten as, bfloat16):
 bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize
 from safetensors import safe_open
 
 from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, PackedEmbedding, PackedLinear, WeightForm
@@ -17,9 +16,8 @@ from engine.kernels.cpu.native import load_library
 from engine.model.loader import load_model
 from engine.tiny import tiny_hf_model
 from tests.conftest import CACHE_DIR
-from tests.unit.gguf_files import random_blocks
+from tests.unit.gguf_files import dequantized, random_blocks
 
-GGUF_TYPES = {form: GGMLQuantizationType[form.name] for form in BLOCK_BYTES}
 SHAPES = [(576, 576), (100, 64), (1, 32), (17, 96), (1536, 160), (49152, 64)]
 # A Q4_K_M (Q5_K_M) file's Q5_0 (Q5_1) tensors: rows of 576 and 1536, whose K is no multiple of 256.
 FIVE_BIT_SHAPES = [(1536, 576), (577, 1536), (100, 64), (1, 32), (17, 96)]
@@ -55,7 +53,7 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
 @pytest.mark.parametrize(
     ("form", "out_features", "in_features"),
     [
-        *((form, *shape) for form in (WeightForm.Q8_0, WeightForm.Q4_1) for shape in SHAPES),
+        *((form, *shape) for form in (WeightForm.Q8_0, WeightForm.Q4_1, WeightForm.Q8_F32) for shape in SHAPES),
         *((form, *shape) for form in FIVE_BITS for shape in FIVE_BIT_SHAPES),
         *((form, *shape) for form in K_QUANTS for shape in SUPER_BLOCK_SHAPES),
     ],
@@ -63,7 +61,7 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
 )
 def test_gguf_blocks_give_the_float32_kernels_bits(library, form, out_features, in_features):
     blocks = random_blocks(form, out_features, in_features)
-    weight = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]).reshape(out_features, in_features))
+    weight = torch.from_numpy(dequantized(form, blocks.numpy()).reshape(out_features, in_features))
     packed = PackedLinear.pack_blocks(library, form, blocks, out_features, in_features)
     # The blocks' own bytes, the last panel's columns padded to 16 (Q4_K's and Q5_K's sub-block scales and
     # minimums take a byte each, 16 of a block's bytes where they were 12; Q2_K's take a byte each where they
@@ -96,11 +94,13 @@ def test_blocks_of_the_wrong_shape_are_refused(library):
         PackedLinear.pack_blocks(library, WeightForm.Q4_1, torch.zeros(4, 20, dtype=torch.uint8), 4, 40)
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q4_1, *FIVE_BITS, *K_QUANTS], ids=lambda form: form.name)
+@pytest.mark.parametrize(
+    "form", [WeightForm.Q4_1, WeightForm.Q8_F32, *FIVE_BITS, *K_QUANTS], ids=lambda form: form.name
+)
 def test_unpacked_gives_the_values_the_kernel_widens_to(library, form):
     blocks = random_blocks(form, 40, 512)
     packed = PackedLinear.pack_blocks(library, form, blocks, 40, 512)
-    expected = torch.from_numpy(dequantize(blocks.numpy(), GGUF_TYPES[form]))
+    expected = torch.from_numpy(dequantized(form, blocks.numpy()))
     assert torch.equal(packed.unpacked().view(torch.int32), expected.view(torch.int32))
     # As a tied head's rows read back as the input embedding.
     ids = torch.tensor([[0, 17, 39], [5, 5, 16]])

@@ -41,6 +41,10 @@ class WeightForm(IntEnum):
     # GGUF's Q2_K: super-blocks of 256 weights, w = (d * sc) * q - (dmin * m) with 2-bit q and 4-bit sc and m per
     # 16 weights (Q4_K's arithmetic).
     Q2_K = 9
+    # Q8_0's blocks with float32 d: no GGUF type, the form that GGUF types whose weights are a small integer times
+    # a per-32 scale fp16 cannot hold (IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, MXFP4) are rewritten as
+    # (engine/model/gguf_transcode.py).
+    Q8_F32 = 10
 
 
 # A GGUF block's weights along K and its bytes, per form.
@@ -53,6 +57,7 @@ BLOCK_WEIGHTS = {
     WeightForm.Q5_K: 256,
     WeightForm.Q6_K: 256,
     WeightForm.Q2_K: 256,
+    WeightForm.Q8_F32: 32,
 }
 BLOCK_BYTES = {
     WeightForm.Q8_0: 34,
@@ -63,9 +68,10 @@ BLOCK_BYTES = {
     WeightForm.Q5_K: 176,
     WeightForm.Q6_K: 210,
     WeightForm.Q2_K: 84,
+    WeightForm.Q8_F32: 36,
 }
 # Where a GGUF block keeps its fp16 values: d (Q8_0, Q5_0); d then m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); d at its
-# end (Q6_K), d then dmin at their end (Q2_K).
+# end (Q6_K), d then dmin at their end (Q2_K). Q8_F32's d is a float32, its block's first 4 bytes.
 SCALE_BYTES = {
     WeightForm.Q8_0: slice(0, 2),
     WeightForm.Q4_1: slice(0, 4),
