@@ -171,16 +171,18 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
   barrier.wait(s.barrier_spin_ns);
   // 3) Attention, a (token, KV head) item at a time; its query heads share the passes over its keys and values.
   const int64_t group = s.heads / s.kv_heads;
-#pragma omp for schedule(dynamic, 1) nowait
+  const int64_t chunk = sluice::slot_heads(t_dim, s.kv_heads, omp_get_num_threads());
+#pragma omp for schedule(dynamic, chunk) nowait
   for (int64_t item = 0; item < t_dim * s.kv_heads; ++item) {
     const int64_t t = item / s.kv_heads, kv = item % s.kv_heads;
     const int64_t n = s.context_lens[t];
     const int64_t first = layer.window > 0 ? std::max<int64_t>(0, n - layer.window) : 0;
     const int64_t offset = (t * s.heads + kv * group) * hd;
+    const int64_t ahead = chunk > 1 && kv == 0 ? slot_stride : hd;
     sluice::attend_heads(s.cache_dtype, group, q + offset, hd, key_cache + kv * hd * element_bytes,
                          value_cache + kv * hd * element_bytes, slot_stride,
                          s.block_tables + s.table_rows[t] * s.table_width, s.block_size, first, n, s.scale, 0.0f,
-                         nullptr, scores, attended + offset);
+                         nullptr, ahead, scores, attended + offset);
   }
   barrier.wait(s.barrier_spin_ns);
   // 4) o, added into the residual stream column by column (q is free again: it holds o).

@@ -660,16 +660,19 @@ constexpr int kValueVecs = std::min(8, (kVectorRegisters - H - 1) / H);
 // The keys' rows (and values') asked of memory this many keys before they are read: a pass serving several
 // heads has so much arithmetic a key that the processor's own look-ahead reaches only a few keys ahead.
 constexpr int64_t kAheadKeys = 16;
-inline void prefetch_row(const void* row, int64_t bytes) {
+inline void prefetch_row(const void* row, int64_t bytes, int64_t later_bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)row + line, _MM_HINT_T0);
+  for (int64_t line = bytes; line < later_bytes; line += 64) _mm_prefetch((const char*)row + line, _MM_HINT_T1);
 }
 
 // out[h] (h < H, head_dim apart) = inverse[h] * sum over the window's keys i of scores[h][i] * value i, each
 // lane's sum in i order, for head-dim vectors [d0, d0 + Vecs): one pass over the values serves the H heads.
+// The first pass (d0 0) asks for `ahead` elements of each value's slot from the head's row on.
 template <class C, int H, int Vecs, class E = typename C::Element>
 void weigh_values(int64_t d0, const E* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size,
                   int64_t first, int64_t count, const float* scores, int64_t scores_stride, const float* inverse,
-                  int64_t head_dim, float* out) {
+                  int64_t head_dim, int64_t ahead, float* out) {
+  const int64_t ahead_bytes = (d0 == 0 ? std::max<int64_t>(ahead, Vecs * 8) : Vecs * 8) * (int64_t)sizeof(E);
   __m256 acc[H][Vecs];
   for (int h = 0; h < H; ++h)
     for (int d = 0; d < Vecs; ++d) acc[h][d] = _mm256_setzero_ps();
@@ -678,9 +681,9 @@ void weigh_values(int64_t d0, const E* v_cache, int64_t slot_stride, const int64
     const int64_t slot = table[j / block_size] * block_size + j % block_size;
     const E* value = v_cache + slot * slot_stride + d0 * 8;
     if (i + kAheadKeys < count) {
-      const int64_t ahead = first + i + kAheadKeys;
-      prefetch_row(v_cache + (table[ahead / block_size] * block_size + ahead % block_size) * slot_stride + d0 * 8,
-                   Vecs * 8 * (int64_t)sizeof(E));
+      const int64_t later = first + i + kAheadKeys;
+      prefetch_row(v_cache + (table[later / block_size] * block_size + later % block_size) * slot_stride + d0 * 8,
+                   Vecs * 8 * (int64_t)sizeof(E), ahead_bytes);
     }
     __m256 p[H];
     for (int h = 0; h < H; ++h) p[h] = _mm256_set1_ps(scores[h * scores_stride + i]);
@@ -701,11 +704,12 @@ void weigh_values(int64_t d0, const E* v_cache, int64_t slot_stride, const int64
 // softcap) (Gemma 2); sinks[h] (sinks null: none) is a learned logit that joins the softmax's max and
 // denominator without a value (gpt-oss), so the weights of the keys sum to less than one. The heads share each
 // pass over the keys and the values, which a step's keys come from memory for: each head's arithmetic is
-// its own, in the same order, whatever heads it shares the passes with.
+// its own, in the same order, whatever heads it shares the passes with. The passes ask for `ahead` (at least
+// head_dim) elements of each key's and value's slot from the head's row on, kAheadKeys keys before they read it.
 template <class C, int H, class E = typename C::Element>
 void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v_cache, int64_t slot_stride,
                   const int64_t* table, int64_t block_size, int64_t first, int64_t n, float scale, float softcap,
-                  const float* sinks, float* scores, int64_t scores_stride, float* out) {
+                  const float* sinks, int64_t ahead, float* scores, int64_t scores_stride, float* out) {
   const int64_t vecs = head_dim / 8;
   // Key i of the window (position first + i) and its score for head h, scores[h * scores_stride + i].
   const int64_t count = n - first;
@@ -721,7 +725,7 @@ void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v
   int64_t j = 0;
   for (; j + kKeys <= count; j += kKeys) {
     for (int i = 0; i < kKeys; ++i)
-      if (j + kAheadKeys + i < count) prefetch_row(key_at(j + kAheadKeys + i), head_dim * (int64_t)sizeof(E));
+      if (j + kAheadKeys + i < count) prefetch_row(key_at(j + kAheadKeys + i), head_dim * (int64_t)sizeof(E), ahead * (int64_t)sizeof(E));
     const E* keys[kKeys];
     for (int i = 0; i < kKeys; ++i) keys[i] = key_at(j + i);
     __m256 acc[H][kKeys];
@@ -789,7 +793,7 @@ void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v
   auto pass = [&](auto width) {
     constexpr int kWidth = decltype(width)::value;
     weigh_values<C, H, kWidth>(d0, v_cache, slot_stride, table, block_size, first, count, scores, scores_stride,
-                               inverse, head_dim, out);
+                               inverse, head_dim, ahead, out);
     d0 += kWidth;
   };
   while (d0 + kWidest <= vecs) pass(std::integral_constant<int, kWidest>{});
@@ -802,7 +806,7 @@ void attend_group(const float* q, int64_t head_dim, const E* k_cache, const E* v
 template <class C, class E = typename C::Element>
 void attend_kv_group(int64_t heads, const float* q, int64_t head_dim, const E* k_cache, const E* v_cache,
                      int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t n,
-                     float scale, float softcap, const float* sinks, float* scores, float* out) {
+                     float scale, float softcap, const float* sinks, int64_t ahead, float* scores, float* out) {
   const int64_t stride = n - first + 8;
   for (int64_t h0 = 0; h0 < heads; h0 += kGroupChunk) {
     const float* chunk_sinks = sinks == nullptr ? nullptr : sinks + h0;
@@ -810,7 +814,8 @@ void attend_kv_group(int64_t heads, const float* q, int64_t head_dim, const E* k
     float* chunk_out = out + h0 * head_dim;
     auto run = [&](auto chunk) {
       attend_group<C, decltype(chunk)::value>(chunk_q, head_dim, k_cache, v_cache, slot_stride, table, block_size,
-                                              first, n, scale, softcap, chunk_sinks, scores, stride, chunk_out);
+                                              first, n, scale, softcap, chunk_sinks, ahead, scores, stride,
+                                              chunk_out);
     };
     switch (std::min<int64_t>(kGroupChunk, heads - h0)) {
       case 1: run(std::integral_constant<int, 1>{}); break;
@@ -866,19 +871,20 @@ void linear_columns(int64_t form, bool scalar, const float* x, int64_t m_dim, in
 
 void attend_heads(int64_t cache_dtype, int64_t heads, const float* q, int64_t head_dim, const void* k_cache,
                   const void* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first,
-                  int64_t n, float scale, float softcap, const float* sinks, float* scores, float* out) {
+                  int64_t n, float scale, float softcap, const float* sinks, int64_t ahead, float* scores,
+                  float* out) {
   switch (cache_dtype) {
     case kCacheF32:
       attend_kv_group<CacheF32>(heads, q, head_dim, (const float*)k_cache, (const float*)v_cache, slot_stride,
-                                table, block_size, first, n, scale, softcap, sinks, scores, out);
+                                table, block_size, first, n, scale, softcap, sinks, ahead, scores, out);
       break;
     case kCacheBF16:
       attend_kv_group<CacheBF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache,
-                                 slot_stride, table, block_size, first, n, scale, softcap, sinks, scores, out);
+                                 slot_stride, table, block_size, first, n, scale, softcap, sinks, ahead, scores, out);
       break;
     case kCacheF16:
       attend_kv_group<CacheF16>(heads, q, head_dim, (const uint16_t*)k_cache, (const uint16_t*)v_cache,
-                                slot_stride, table, block_size, first, n, scale, softcap, sinks, scores, out);
+                                slot_stride, table, block_size, first, n, scale, softcap, sinks, ahead, scores, out);
       break;
   }
 }
@@ -1067,17 +1073,19 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
   {
     std::vector<float> scores(sluice::kAttendScoreRows * (longest + 8));
     // One item per token and KV head: the query heads that share the KV head share its passes over the keys
-    // and values.
-#pragma omp for schedule(dynamic, 1)
+    // and values. With tokens enough a thread takes a token's KV heads together (sluice::slot_heads).
+    const int64_t chunk = sluice::slot_heads(num_tokens, num_kv_heads, omp_get_num_threads());
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < num_tokens * num_kv_heads; ++item) {
       const int64_t t = item / num_kv_heads, kv = item % num_kv_heads;
       const int64_t n = key_end(t), first = first_key(t);
       const int64_t offset = (t * num_heads + kv * group) * head_dim;
+      const int64_t ahead = chunk > 1 && kv == 0 ? slot_stride : head_dim;
       sluice::attend_heads(cache_dtype, group, q + offset, head_dim,
                            (const char*)k_cache + kv * head_dim * element_bytes,
                            (const char*)v_cache + kv * head_dim * element_bytes, slot_stride,
                            block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
-                           sinks == nullptr ? nullptr : sinks + kv * group, scores.data(), out + offset);
+                           sinks == nullptr ? nullptr : sinks + kv * group, ahead, scores.data(), out + offset);
     }
   }
 }

@@ -22,9 +22,18 @@ constexpr int64_t kAttendScoreRows = 4;
 // `heads` query heads q[h] (head_dim apart) that share one KV head, over keys [first, n) of their request, read
 // through its block `table` from the layer's caches of `cache_dtype` (slots `slot_stride` elements apart), into
 // out[h] (head_dim apart); sinks[h] (sinks null: none) joins head h's softmax; `scores` holds kAttendScoreRows
-// * (n - first + 8) floats.
+// * (n - first + 8) floats. Each key's and value's slot is asked of memory `ahead` elements from the head's row
+// on (head_dim: its own row; more: the slot's later KV heads too, for their passes next on this thread).
 void attend_heads(int64_t cache_dtype, int64_t heads, const float* q, int64_t head_dim, const void* k_cache,
                   const void* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first,
-                  int64_t n, float scale, float softcap, const float* sinks, float* scores, float* out);
+                  int64_t n, float scale, float softcap, const float* sinks, int64_t ahead, float* scores,
+                  float* out);
+
+// The (token, KV head) items a thread takes at once in a step's attention: a token's KV heads together where
+// there are tokens enough to share among the threads, so its first head's passes bring in each slot whole
+// (its KV heads' rows lie side by side) and the others read it from this core's caches; else one.
+inline int64_t slot_heads(int64_t tokens, int64_t kv_heads, int64_t threads) {
+  return tokens >= 2 * threads ? kv_heads : 1;
+}
 
 }  // namespace sluice
