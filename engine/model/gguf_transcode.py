@@ -17,14 +17,14 @@ the same outputs.
   the files have 1.7 and 2.1.
 - IQ4_XS (w = (d * sc) * table[q], IQ4_NL's table, 6-bit sc less 32 per 32 weights), IQ3_S, IQ3_XXS and
   IQ2_XXS (w = (d * u) * grid * sign: u a per-32 factor of the scale bits, 1 + 2s, (0.5 + s) / 2 or
-  (0.5 + s) / 4; grid an entry of the type's grid, small integers) and MXFP4 (w = d * q, d a power of two, q
-  an int8 of GGUF's doubled e2m1 table) as Q8_F32 (w = d' * q', float32 d' and int8 q' per 32 weights). d * sc
-  and d * u are exact in float32 (11 significant bits times 6 or 5), so d' = d * u, q' = grid * sign gives one
-  rounding where GGUF's dequantizer rounds (d * u) * grid once: the same value (rounding to nearest is
-  symmetric in the sign). The IQ grids' values are read as GGUF's dequantizer gives them, with d = 1. 9 bits
-  where the files have 4.25, 3.44, 3.06, 2.06 and 4.25.
+  (0.5 + s) / 4; grid an entry of the type's grid, small integers), IQ1_S (w = (d * (2s + 1)) * (grid ± 1/8))
+  and MXFP4 (w = d * q, d a power of two, q an int8 of GGUF's doubled e2m1 table) as Q8_F32 (w = d' * q',
+  float32 d' and int8 q' per 32 weights). d * sc and d * u are exact in float32 (11 significant bits times 6
+  or 5; IQ1_S's d' = d * (2s + 1) / 8 with q' = 8 * grid ± 1), so d' * q' rounds once where GGUF's dequantizer
+  rounds (d * u) * grid once: the same value (rounding to nearest is symmetric in the sign). The grids are
+  gguf's own tables. 9 bits where the files have 4.25, 3.44, 3.06, 2.06, 1.56 and 4.25.
 
-Each is still 3.5 to 9 times fewer bytes a step than float32; the loader checks every packed weight against its
+Each is 3.6 to 6.4 times fewer bytes a step than float32; the loader checks every packed weight against its
 float32 conversion as it does for every form, and keeps float32 where they differ (a Q4_0 d so large that -8 *
 d overflows fp16, say).
 """
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
-from gguf.quants import MXFP4
+from gguf.quants import IQ1_S, IQ2_XXS, IQ3_S, IQ3_XXS, MXFP4
 
 from engine.kernels.cpu.invariant import WeightForm
 
@@ -144,31 +144,73 @@ def mxfp4_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
     return _q8_f32(d, np.array(MXFP4.kvalues, dtype=np.int8)[_nibbles(blocks[..., 1:])])
 
 
-def grid_as_q8_f32(
-    kind: GGMLQuantizationType, unit: Callable[[np.ndarray], np.ndarray]
-) -> Callable[[np.ndarray], np.ndarray]:
-    """IQ3_S, IQ3_XXS or IQ2_XXS super-blocks [..., bytes, d the first 2] as 8 Q8_F32 blocks: unit(blocks)
-    [..., 8] is each 32 weights' factor u of its scale bits, so that w = (d * u) * (grid * sign)."""
-
-    def rewrite(blocks: np.ndarray) -> np.ndarray:
-        u = unit(blocks)
-        weights = _unit_weights(kind, blocks, slice(0, 2)).reshape(*blocks.shape[:-1], 8, 32)
-        return _q8_f32(_fp16_d(blocks, slice(0, 2))[..., None] * u, np.rint(weights / u[..., None]))
-
-    return rewrite
+def _grid(kind: type) -> np.ndarray:
+    """A gguf IQ class's grid [entries, values] as the int8 values GGUF's dequantizer reads from it."""
+    kind.init_grid()
+    return np.rint(kind.grid.reshape(kind.grid_shape)).astype(np.int8)
 
 
-def _top_nibbles(blocks: np.ndarray, at: int, stride: int) -> np.ndarray:
-    """The top 4 bits of the 8 little-endian 32-bit words `stride` words apart from byte `at` of each block, as
-    float32 [..., 8]: each 32 weights' scale bits in IQ2_XXS (stride 2) and IQ3_XXS (stride 1)."""
-    words = blocks[..., at : at + 32 * stride].copy().view("<u4")[..., stride - 1 :: stride]
-    return (words >> 28).astype(np.float32)
+_IQ2_XXS_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (_grid(kind) for kind in (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S))
+_KSIGNS = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)
+_SIGN_FIELDS = np.array([0, 7, 14, 21], dtype=np.uint32)
 
 
-def _iq3_s_unit(blocks: np.ndarray) -> np.ndarray:
-    """IQ3_S's 8 factors 1 + 2s, s the 4-bit scales of its last 4 bytes (scale i in byte i // 2, nibble i % 2)."""
+def _signs(bits: np.ndarray) -> np.ndarray:
+    """Bytes of sign bits [...] as ±1 [..., 8] (bit i set: value i negative)."""
+    return (1 - 2 * ((bits[..., None] >> np.arange(8, dtype=np.uint8)) & 1)).astype(np.int8)
+
+
+def _fields_and_scale(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """IQ2_XXS's and IQ3_XXS's 32-bit words [..., 8], one a 32 weights: the signs of its 4 runs of 8 (4 7-bit
+    indices into GGUF's ksigns) [..., 4, 8], and its 4-bit scale s (the top bits) as float32."""
+    return _signs(_KSIGNS[(words[..., None] >> _SIGN_FIELDS) & 127]), (words >> 28).astype(np.float32)
+
+
+def iq2_xxs_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
+    """IQ2_XXS super-blocks [..., 66 bytes: d, then per 32 weights 4 indices into its grid of 8 values and a
+    word of signs and scale] as 8 Q8_F32 blocks, u = (0.5 + s) / 4."""
+    groups = blocks[..., 2:].reshape(*blocks.shape[:-1], 8, 8)
+    signs, scale = _fields_and_scale(groups[..., 4:].copy().view("<u4")[..., 0])
+    q = _IQ2_XXS_GRID[groups[..., :4]] * signs
+    d = _fp16_d(blocks, slice(0, 2))[..., None] * ((0.5 + scale) * 0.25)
+    return _q8_f32(d, q.reshape(*blocks.shape[:-1], 8, 32))
+
+
+def iq3_xxs_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_XXS super-blocks [..., 98 bytes: d, 64 indices into its grid of 4 values, 8 words of signs and
+    scale] as 8 Q8_F32 blocks, u = (0.5 + s) / 2."""
+    signs, scale = _fields_and_scale(blocks[..., 66:98].copy().view("<u4"))
+    q = _IQ3_XXS_GRID[blocks[..., 2:66]].reshape(*blocks.shape[:-1], 8, 4, 8) * signs
+    d = _fp16_d(blocks, slice(0, 2))[..., None] * ((0.5 + scale) * 0.5)
+    return _q8_f32(d, q.reshape(*blocks.shape[:-1], 8, 32))
+
+
+def iq3_s_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
+    """IQ3_S super-blocks [..., 110 bytes: d, the low 8 bits of 64 9-bit indices into its grid of 4 values, their
+    high bits (index i's at bit i % 8 of byte i // 8), a sign bit a weight, 8 4-bit scales s (scale i in byte
+    i // 2, nibble i % 2)] as 8 Q8_F32 blocks, u = 1 + 2s."""
+    shape = blocks.shape[:-1]
+    high = (blocks[..., 66:74, None] >> np.arange(8, dtype=np.uint8)) & 1
+    index = blocks[..., 2:66].astype(np.uint16) | high.reshape(*shape, 64).astype(np.uint16) << 8
+    q = _IQ3_S_GRID[index].reshape(*shape, 8, 32) * _signs(blocks[..., 74:106]).reshape(*shape, 8, 32)
     i = np.arange(8)
-    return (1 + 2 * (blocks[..., 106 + i // 2] >> (4 * (i % 2)) & 15)).astype(np.float32)
+    scale = (blocks[..., 106 + i // 2] >> (4 * (i % 2)) & 15).astype(np.float32)
+    return _q8_f32(_fp16_d(blocks, slice(0, 2))[..., None] * (1 + 2 * scale), q)
+
+
+def iq1_s_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_S super-blocks [..., 50 bytes: d, the low 8 bits of 32 11-bit indices into its grid of 8 values in
+    {-1, 0, 1}, then a 16-bit word a 32 weights: 4 x 3 high index bits, a 3-bit scale s, the sign of the
+    delta] as 8 Q8_F32 blocks. w = (d * (2s + 1)) * (grid ± 1/8): d' = d * (2s + 1) / 8 and q' = 8 * grid ± 1,
+    exact and the same one rounding."""
+    shape = blocks.shape[:-1]
+    words = blocks[..., 34:50].copy().view("<u2")
+    high = (words[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
+    index = blocks[..., 2:34].reshape(*shape, 8, 4).astype(np.uint16) | high << 8
+    delta = np.where(words & 0x8000, -1, 1).astype(np.int8)
+    q = 8 * _IQ1_S_GRID[index] + delta[..., None, None]
+    d = _fp16_d(blocks, slice(0, 2))[..., None] * ((2 * (words >> 12 & 7) + 1).astype(np.float32) * 0.125)
+    return _q8_f32(d, q.reshape(*shape, 8, 32))
 
 
 # A GGUF type → the form its blocks are rewritten as, and how: rows [N, K / block weights * block bytes].
@@ -180,15 +222,10 @@ TRANSCODED: dict[GGMLQuantizationType, tuple[WeightForm, Callable[[np.ndarray], 
     GGMLQuantizationType.TQ2_0: (WeightForm.Q8_0, tq_as_q8_0(GGMLQuantizationType.TQ2_0)),
     GGMLQuantizationType.IQ4_XS: (WeightForm.Q8_F32, iq4_xs_as_q8_f32),
     GGMLQuantizationType.MXFP4: (WeightForm.Q8_F32, mxfp4_as_q8_f32),
-    GGMLQuantizationType.IQ3_S: (WeightForm.Q8_F32, grid_as_q8_f32(GGMLQuantizationType.IQ3_S, _iq3_s_unit)),
-    GGMLQuantizationType.IQ3_XXS: (
-        WeightForm.Q8_F32,
-        grid_as_q8_f32(GGMLQuantizationType.IQ3_XXS, lambda blocks: (0.5 + _top_nibbles(blocks, 66, 1)) * 0.5),
-    ),
-    GGMLQuantizationType.IQ2_XXS: (
-        WeightForm.Q8_F32,
-        grid_as_q8_f32(GGMLQuantizationType.IQ2_XXS, lambda blocks: (0.5 + _top_nibbles(blocks, 2, 2)) * 0.25),
-    ),
+    GGMLQuantizationType.IQ3_S: (WeightForm.Q8_F32, iq3_s_as_q8_f32),
+    GGMLQuantizationType.IQ3_XXS: (WeightForm.Q8_F32, iq3_xxs_as_q8_f32),
+    GGMLQuantizationType.IQ2_XXS: (WeightForm.Q8_F32, iq2_xxs_as_q8_f32),
+    GGMLQuantizationType.IQ1_S: (WeightForm.Q8_F32, iq1_s_as_q8_f32),
 }
 
 
@@ -196,4 +233,6 @@ def transcode(kind: GGMLQuantizationType, rows: np.ndarray) -> tuple[WeightForm,
     """Rows of `kind`'s blocks [N, bytes] as the form TRANSCODED names, [N, the form's bytes]."""
     form, rewrite = TRANSCODED[kind]
     blocks = rows.reshape(rows.shape[0], -1, GGML_QUANT_SIZES[kind][1])
-    return form, rewrite(blocks).reshape(rows.shape[0], -1)
+    # A NaN d (fp16's signalling ones raise numpy's flag as they widen) stays NaN, as GGUF's dequantizer has it.
+    with np.errstate(invalid="ignore"):
+        return form, rewrite(blocks).reshape(rows.shape[0], -1)

@@ -131,6 +131,7 @@ SCALE_SPREAD = {
     "IQ3_S": 1.5e-3,
     "IQ3_XXS": 1.7e-3,
     "IQ2_XXS": 4e-3,
+    "IQ1_S": 0.02,
     "Q8_F32": 0.05,
 }
 # Where the GGUF types the kernels take as blocks of another form (engine/model/gguf_transcode.py) keep their
@@ -145,6 +146,7 @@ TRANSCODED_SCALE_BYTES = {
     "IQ3_S": slice(0, 2),
     "IQ3_XXS": slice(0, 2),
     "IQ2_XXS": slice(0, 2),
+    "IQ1_S": slice(0, 2),
 }
 
 

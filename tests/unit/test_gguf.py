@@ -99,6 +99,7 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form
         (gguf.GGMLQuantizationType.IQ3_S, WeightForm.Q8_F32),
         (gguf.GGMLQuantizationType.IQ3_XXS, WeightForm.Q8_F32),
         (gguf.GGMLQuantizationType.IQ2_XXS, WeightForm.Q8_F32),
+        (gguf.GGMLQuantizationType.IQ1_S, WeightForm.Q8_F32),
         (gguf.GGMLQuantizationType.MXFP4, WeightForm.Q8_F32),
     ],
     ids=lambda value: value.name,

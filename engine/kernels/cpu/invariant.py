@@ -71,7 +71,7 @@ BLOCK_BYTES = {
     WeightForm.Q8_F32: 36,
 }
 # Where a GGUF block keeps its fp16 values: d (Q8_0, Q5_0); d then m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); d at its
-# end (Q6_K), d then dmin at their end (Q2_K). Q8_F32's d is a float32, its block's first 4 bytes.
+# end (Q6_K), d then dmin at their end (Q2_K). Q8_F32 has none: its d is a float32, the block's first 4 bytes.
 SCALE_BYTES = {
     WeightForm.Q8_0: slice(0, 2),
     WeightForm.Q4_1: slice(0, 4),
