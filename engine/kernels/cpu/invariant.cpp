@@ -474,9 +474,12 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
     const int64_t next_bytes = widen_strips ? (std::min(p_end + 4, p_last) - p_end) * panel_bytes<F>(k_dim) : 0;
     const int64_t row_blocks = (m_dim + 5) / 6;
     const int64_t share = widen_strips ? ((next_bytes + row_blocks - 1) / row_blocks + 63) / 64 * 64 : 0;
-    for (int64_t m = 0; m < m_dim; m += 6) {
-      const int rows = (int)std::min<int64_t>(6, m_dim - m);
-      for (int64_t line = m / 6 * share; line < std::min(next_bytes, (m / 6 + 1) * share); line += 64)
+    for (int64_t b = 0; b < row_blocks; ++b) {
+      // The rows shared evenly among the blocks (32 as 5, 5, 6, 5, 5, 6, not 6 x 5 and 2): a block of two rows
+      // does too few multiply-adds a k to hide reading its four panels' weights from L2.
+      const int64_t m = m_dim * b / row_blocks;
+      const int rows = (int)(m_dim * (b + 1) / row_blocks - m);
+      for (int64_t line = b * share; line < std::min(next_bytes, (b + 1) * share); line += 64)
         _mm_prefetch((const char*)next + line, _MM_HINT_T1);
       if (p_begin < p_full)
         block(rows, x + m * k_dim, k_dim, base, 0, p_full - p_begin, y + m * n_dim + p_begin * kPanel, n_dim);
