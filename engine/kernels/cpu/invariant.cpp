@@ -474,11 +474,17 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
     const int64_t next_bytes = widen_strips ? (std::min(p_end + 4, p_last) - p_end) * panel_bytes<F>(k_dim) : 0;
     const int64_t row_blocks = (m_dim + 5) / 6;
     const int64_t share = widen_strips ? ((next_bytes + row_blocks - 1) / row_blocks + 63) / 64 * 64 : 0;
+    // Blocks of six rows, but for a tail of fewer than four, which the last full block shares (8 rows as 4 and
+    // 4, 32 as 6, 6, 6, 6, 4, 4): a block of one to three rows does too few multiply-adds a k to hide reading its
+    // panels' weights (from L2 where a strip was widened), and six-row blocks ran faster than even shares.
+    const int64_t tail = m_dim % 6, pair = tail > 0 && tail < 4 && row_blocks >= 2 ? 6 + tail : 0;
     for (int64_t b = 0; b < row_blocks; ++b) {
-      // The rows shared evenly among the blocks (32 as 5, 5, 6, 5, 5, 6, not 6 x 5 and 2): a block of two rows
-      // does too few multiply-adds a k to hide reading its four panels' weights from L2.
-      const int64_t m = m_dim * b / row_blocks;
-      const int rows = (int)(m_dim * (b + 1) / row_blocks - m);
+      int64_t m = 6 * b;
+      int rows = (int)std::min<int64_t>(6, m_dim - m);
+      if (pair > 0 && b >= row_blocks - 2) {
+        m = 6 * (row_blocks - 2) + (b == row_blocks - 1 ? (pair + 1) / 2 : 0);
+        rows = (int)(b == row_blocks - 1 ? pair / 2 : (pair + 1) / 2);
+      }
       for (int64_t line = b * share; line < std::min(next_bytes, (b + 1) * share); line += 64)
         _mm_prefetch((const char*)next + line, _MM_HINT_T1);
       if (p_begin < p_full)
