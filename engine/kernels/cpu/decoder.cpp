@@ -178,11 +178,10 @@ void layer_step(const Layer& layer, const Step& s, int64_t index, float* hidden,
     const int64_t n = s.context_lens[t];
     const int64_t first = layer.window > 0 ? std::max<int64_t>(0, n - layer.window) : 0;
     const int64_t offset = (t * s.heads + kv * group) * hd;
-    const int64_t ahead = chunk > 1 && kv == 0 ? slot_stride : hd;
     sluice::attend_heads(s.cache_dtype, group, q + offset, hd, key_cache + kv * hd * element_bytes,
                          value_cache + kv * hd * element_bytes, slot_stride,
                          s.block_tables + s.table_rows[t] * s.table_width, s.block_size, first, n, s.scale, 0.0f,
-                         nullptr, ahead, scores, attended + offset);
+                         nullptr, sluice::slot_ahead(chunk, kv, slot_stride, hd), scores, attended + offset);
   }
   barrier.wait(s.barrier_spin_ns);
   // 4) o, added into the residual stream column by column (q is free again: it holds o).

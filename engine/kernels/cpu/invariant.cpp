@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -446,6 +447,19 @@ void widen_panels(const uint8_t* wp, int64_t count, int64_t k_dim, float* out) {
 #endif
 constexpr int64_t kStripRows = SL_STRIP_ROWS;
 
+// Row block b of the (m_dim + 5) / 6 that M rows take: its first row and its rows. Blocks of six, but for a tail
+// of fewer than four, which the last full block shares (8 rows as 4 and 4, 32 as 6, 6, 6, 6, 4, 4): a block of
+// one to three rows does too few multiply-adds a k to hide reading its panels' weights (from L2 where a strip
+// was widened), and six-row blocks ran faster than even shares.
+inline std::pair<int64_t, int> row_block_span(int64_t m_dim, int64_t row_blocks, int64_t b) {
+  const int64_t tail = m_dim % 6;
+  if (tail == 0 || tail >= 4 || row_blocks < 2 || b < row_blocks - 2)
+    return {6 * b, (int)std::min<int64_t>(6, m_dim - 6 * b)};
+  const int64_t pair = 6 + tail, first = 6 * (row_blocks - 2);
+  return b == row_blocks - 2 ? std::pair<int64_t, int>{first, (int)((pair + 1) / 2)}
+                             : std::pair<int64_t, int>{first + (pair + 1) / 2, (int)(pair / 2)};
+}
+
 // Panels [p_first, p_last) of y[M, N] = x[M, K] @ W.T, on the calling thread; block_max as `linear` says.
 template <class F>
 void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, const uint8_t* wp, int64_t n_dim,
@@ -474,17 +488,8 @@ void linear_panels(bool scalar, const float* x, int64_t m_dim, int64_t k_dim, co
     const int64_t next_bytes = widen_strips ? (std::min(p_end + 4, p_last) - p_end) * panel_bytes<F>(k_dim) : 0;
     const int64_t row_blocks = (m_dim + 5) / 6;
     const int64_t share = widen_strips ? ((next_bytes + row_blocks - 1) / row_blocks + 63) / 64 * 64 : 0;
-    // Blocks of six rows, but for a tail of fewer than four, which the last full block shares (8 rows as 4 and
-    // 4, 32 as 6, 6, 6, 6, 4, 4): a block of one to three rows does too few multiply-adds a k to hide reading its
-    // panels' weights (from L2 where a strip was widened), and six-row blocks ran faster than even shares.
-    const int64_t tail = m_dim % 6, pair = tail > 0 && tail < 4 && row_blocks >= 2 ? 6 + tail : 0;
     for (int64_t b = 0; b < row_blocks; ++b) {
-      int64_t m = 6 * b;
-      int rows = (int)std::min<int64_t>(6, m_dim - m);
-      if (pair > 0 && b >= row_blocks - 2) {
-        m = 6 * (row_blocks - 2) + (b == row_blocks - 1 ? (pair + 1) / 2 : 0);
-        rows = (int)(b == row_blocks - 1 ? pair / 2 : (pair + 1) / 2);
-      }
+      const auto [m, rows] = row_block_span(m_dim, row_blocks, b);
       for (int64_t line = b * share; line < std::min(next_bytes, (b + 1) * share); line += 64)
         _mm_prefetch((const char*)next + line, _MM_HINT_T1);
       if (p_begin < p_full)
@@ -1089,12 +1094,12 @@ void sl_paged_attention(const float* q, int64_t num_tokens, int64_t num_heads, i
       const int64_t t = item / num_kv_heads, kv = item % num_kv_heads;
       const int64_t n = key_end(t), first = first_key(t);
       const int64_t offset = (t * num_heads + kv * group) * head_dim;
-      const int64_t ahead = chunk > 1 && kv == 0 ? slot_stride : head_dim;
       sluice::attend_heads(cache_dtype, group, q + offset, head_dim,
                            (const char*)k_cache + kv * head_dim * element_bytes,
                            (const char*)v_cache + kv * head_dim * element_bytes, slot_stride,
                            block_tables + table_rows[t] * table_width, block_size, first, n, scale, softcap,
-                           sinks == nullptr ? nullptr : sinks + kv * group, ahead, scores.data(), out + offset);
+                           sinks == nullptr ? nullptr : sinks + kv * group,
+                           sluice::slot_ahead(chunk, kv, slot_stride, head_dim), scores.data(), out + offset);
     }
   }
 }

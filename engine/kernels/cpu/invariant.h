@@ -36,4 +36,10 @@ inline int64_t slot_heads(int64_t tokens, int64_t kv_heads, int64_t threads) {
   return tokens >= 2 * threads ? kv_heads : 1;
 }
 
+// attend_heads' `ahead` for KV head kv of a token taken in items of `chunk` (slot_heads): the whole slot for a
+// token's first head where its heads run together, else the head's own row.
+inline int64_t slot_ahead(int64_t chunk, int64_t kv, int64_t slot_stride, int64_t head_dim) {
+  return chunk > 1 && kv == 0 ? slot_stride : head_dim;
+}
+
 }  // namespace sluice

@@ -42,8 +42,7 @@ class WeightForm(IntEnum):
     # 16 weights (Q4_K's arithmetic).
     Q2_K = 9
     # Q8_0's blocks with float32 d: no GGUF type, the form that GGUF types whose weights are a small integer times
-    # a per-32 scale fp16 cannot hold (IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, MXFP4) are rewritten as
-    # (engine/model/gguf_transcode.py).
+    # a per-32 scale fp16 cannot hold are rewritten as (engine/model/gguf_transcode.py's TRANSCODED names them).
     Q8_F32 = 10
 
 
