@@ -21,8 +21,8 @@
 #include <string.h>
 
 #include <algorithm>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "invariant.h"
