@@ -69,6 +69,29 @@ async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> 
     return [chunk async for chunk in channel]
 
 
+class RecordingChannel(StreamChannel):
+    """A channel that also keeps each chunk as the engine handed it over: a reader that falls behind
+    (a loaded machine) gets merged chunks, so how the engine cut its output shows only here."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_choices: int = 1) -> None:
+        super().__init__(loop, num_choices)
+        self.handed_over: list[Chunk] = []
+
+    def deliver(self, chunk: Chunk) -> None:
+        self.handed_over.append(chunk)
+        super().deliver(chunk)
+
+
+async def collect_handed_over(
+    engine: Engine, prompt: list[int], params: SamplingParams
+) -> tuple[list[Chunk], list[Chunk]]:
+    """collect's chunks as read, and the same output as the engine handed it over."""
+    channel = RecordingChannel(asyncio.get_running_loop(), num_choices=params.n)
+    engine.submit("t", prompt, params, channel)
+    read = [chunk async for chunk in channel]
+    return read, channel.handed_over
+
+
 async def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -6,7 +6,7 @@ import pytest
 from engine.channel import StreamChannel
 from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import FinishReason, SamplingParams
-from tests.unit.helpers import SAMPLING_KINDS, collect, tokens_of, wait_for
+from tests.unit.helpers import SAMPLING_KINDS, collect, collect_handed_over, tokens_of, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +234,9 @@ async def test_stop_token_ends_the_output_without_its_text(engine):
 
 
 async def test_stream_interval_groups_tokens_and_the_terminal_flushes(engine):
-    chunks = await collect(engine, [1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0, stream_interval=4))
-    assert [len(c.token_ids) for c in chunks] == [4, 4, 2]
+    params = SamplingParams(max_tokens=10, temperature=0.0, stream_interval=4)
+    chunks, handed_over = await collect_handed_over(engine, [1, 2, 3], params)
+    assert [len(c.token_ids) for c in handed_over] == [4, 4, 2]
     assert tokens_of(chunks) == tokens_of(await collect(engine, [1, 2, 3], greedy(10)))
 
 

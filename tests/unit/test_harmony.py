@@ -30,7 +30,7 @@ from engine.scheduler import Scheduler
 from engine.tiny import tiny_engine, tiny_hf_model, tiny_loaded
 from engine.types import GrammarSpec, SamplingParams
 from tests.conftest import CACHE_DIR
-from tests.unit.helpers import collect, harmony_tokenizer
+from tests.unit.helpers import collect, collect_handed_over, harmony_tokenizer
 
 CALL = (
     "<|start|>assistant<|channel|>commentary<|message|>Checking the <b>weather</b>.<|end|>"
@@ -185,10 +185,11 @@ async def test_a_later_analysis_message_is_reasoning_too(tokenizer, bursts):
     engine.start()
     try:
         params = SamplingParams(max_tokens=60, temperature=0.0, grammar=forced, reasoning=reasoning, stop=("Five",))
-        chunks = await collect(engine, prompt, params)
+        chunks, handed_over = await collect_handed_over(engine, prompt, params)
     finally:
         engine.shutdown()
-    assert max(len(c.token_ids) for c in chunks) > 1 if bursts else all(len(c.token_ids) == 1 for c in chunks)
+    steps = [len(c.token_ids) for c in handed_over]
+    assert max(steps) > 1 if bursts else all(n == 1 for n in steps)
     text = "".join(c.text for c in chunks)
     assert parse([text])[0] == "Let me check.Four."
     assert "".join(c.reasoning for c in chunks) == "Two plus two.Still four."

@@ -10,7 +10,7 @@ from engine.config import SpeculativeConfig
 from engine.sampling.speculative import NgramProposer, Proposal, verify
 from engine.tiny import tiny_engine, tiny_loaded
 from engine.types import FinishReason, SamplingParams
-from tests.unit.helpers import collect, make_request, tokens_of
+from tests.unit.helpers import collect, collect_handed_over, make_request, tokens_of
 
 NGRAM = SpeculativeConfig("ngram", num_tokens=4, max_batch_size=16)
 DRAFT = SpeculativeConfig("draft", num_tokens=3, max_batch_size=16)
@@ -157,8 +157,8 @@ async def test_per_request_opt_out_skips_speculation(engines):
 
 async def test_bursts_go_out_as_one_chunk_and_timings_count_proposals(engines):
     _, speculative = engines
-    chunks = await collect(speculative, REPEATING, greedy(40))
-    assert max(len(c.token_ids) for c in chunks) > 1
+    chunks, handed_over = await collect_handed_over(speculative, REPEATING, greedy(40))
+    assert max(len(c.token_ids) for c in handed_over) > 1
     timings = chunks[-1].timings
     assert timings.draft_tokens >= timings.accepted_tokens > 0
 
