@@ -81,9 +81,11 @@ def ttft(base: str, args: argparse.Namespace, count_tokens) -> dict:
     return {"ttft_p50_s": result["ttft_p50_s"], "ttft_p95_s": result["ttft_p95_s"], "load_average": load_average()}
 
 
-def prefix_counts(base: str) -> tuple[int, int]:
+def prefix_counts(base: str) -> tuple[int, int, dict[str, int]]:
+    """Hit and looked-up prompt tokens, the cluster's, and each replica's looked-up tokens."""
     health = httpx.get(f"{base}/health", timeout=30).json()
-    return health["prefix_cache_hit_tokens"], health["prefix_cache_query_tokens"]
+    per_replica = {name: r["prefix_cache_query_tokens"] for name, r in health.get("replicas", {}).items()}
+    return health["prefix_cache_hit_tokens"], health["prefix_cache_query_tokens"], per_replica
 
 
 async def conversations(base: str, args: argparse.Namespace) -> None:
@@ -111,16 +113,19 @@ async def conversations(base: str, args: argparse.Namespace) -> None:
 def hit_rate(base: str, args: argparse.Namespace) -> dict:
     # The replicas publish their counts every second: what ran before has to be in the first count.
     time.sleep(2.5)
-    hits, queries = prefix_counts(base)
+    hits, queries, per_replica = prefix_counts(base)
     started = time.perf_counter()
     asyncio.run(conversations(base, args))
     elapsed = time.perf_counter() - started
     time.sleep(2.5)
-    new_hits, new_queries = prefix_counts(base)
+    new_hits, new_queries, new_per_replica = prefix_counts(base)
+    shares = sorted(new - per_replica.get(name, 0) for name, new in new_per_replica.items())
     return {
         "hit_rate": round((new_hits - hits) / max(1, new_queries - queries), 4),
         "hit_tokens": new_hits - hits,
         "query_tokens": new_queries - queries,
+        # How the workload's prompts spread over the replicas: their looked-up tokens, largest last.
+        "replica_query_tokens": shares,
         "seconds": round(elapsed, 2),
         "load_average": load_average(),
     }
@@ -182,7 +187,9 @@ def main() -> None:
     direct, cluster = results["direct"]["ttft"]["ttft_p50_s"], results["ingress_ttft"]["ttft_p50_s"]
     print(f"TTFT p50: direct {direct * 1000:.1f} ms, through a 1-replica cluster {cluster * 1000:.1f} ms")
     for name, rate in results["hit_rate"].items():
-        print(f"hit rate, {name}: {rate['hit_rate']:.3f} ({rate['hit_tokens']}/{rate['query_tokens']} tokens)")
+        spread = " / ".join(str(n) for n in rate["replica_query_tokens"])
+        counts = f"{rate['hit_tokens']}/{rate['query_tokens']} tokens; per replica {spread}"
+        print(f"hit rate, {name}: {rate['hit_rate']:.3f} ({counts})")
     out = Path(args.out).with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -54,8 +54,10 @@ class ReplicaPool:
     its replica's, or an error if the replica fails or goes away, or a cancel's. Also the ReplicaSet of
     /health and /metrics, as the handle's router last heard from the replicas."""
 
-    def __init__(self, handle: DeploymentHandle, config: EngineConfig, served: ServedModel) -> None:
+    def __init__(self, handle: DeploymentHandle, config: EngineConfig, served: ServedModel, origin: str = "") -> None:
         self.config = config
+        # This ingress replica's id, sent with each request: the engine replicas count requests by it.
+        self.origin = origin
         self.token_bytes = served.token_bytes
         # Grammars are compiled here too: a bad one is the route's 400 before anything is sent.
         self.grammars = GrammarCompiler(served.tokenizer, served.vocab_size, served.eos_token_ids)
@@ -95,7 +97,7 @@ class ReplicaPool:
         params: SamplingParams,
         images: tuple[ImageInput, ...],
     ) -> None:
-        chunks = self._streams.generate.remote(request_id, prompt_token_ids, params, images)
+        chunks = self._streams.generate.remote(request_id, prompt_token_ids, params, images, self.origin)
         try:
             async for chunk in chunks:
                 if relay.channel.accept(chunk):

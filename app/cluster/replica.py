@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from app.cluster.router import routing_stats
@@ -44,6 +45,8 @@ class EngineReplica:
         if failure:
             raise failure[0]
         self.engine = engines[0]
+        # Requests streaming, by the ingress replica that sent them: what each router adds for the others'.
+        self.held_for: Counter[str] = Counter()
 
     async def generate(
         self,
@@ -51,16 +54,22 @@ class EngineReplica:
         prompt_token_ids: list[int],
         params: SamplingParams,
         images: tuple[ImageInput, ...] = (),
+        origin: str = "",
     ) -> AsyncIterator[Chunk]:
         """The request's chunks up to its last terminal one; cancelled (the ingress's client left), the
-        request is cancelled in the engine, which frees its KV blocks at its next step."""
+        request is cancelled in the engine, which frees its KV blocks at its next step. `origin`: the
+        ingress replica that sent it."""
         channel = StreamChannel(asyncio.get_running_loop(), num_choices=params.n)
         self.engine.submit(request_id, prompt_token_ids, params, channel, images)
+        self.held_for[origin] += 1
         try:
             async for chunk in channel:
                 yield chunk
         finally:
             channel.cancel()
+            self.held_for[origin] -= 1
+            if not self.held_for[origin]:
+                del self.held_for[origin]
 
     def config(self) -> EngineConfig:
         return self.engine.config
@@ -72,9 +81,9 @@ class EngineReplica:
         self.engine.inject_fault()
 
     def record_routing_stats(self) -> dict[str, float]:
-        """The engine's stats, to every router: what they weigh replicas by (requests held), and what the
-        ingress's /health and /metrics show of each replica."""
-        return routing_stats(self.engine.stats)
+        """The engine's stats and the requests it streams for each ingress replica, to every router: what
+        they weigh replicas by, and what the ingress's /health and /metrics show of each replica."""
+        return routing_stats(self.engine.stats, self.held_for)
 
     def check_health(self) -> None:
         """Ray Serve's health check (every 2 s): a replica whose engine thread died is replaced."""

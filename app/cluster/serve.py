@@ -139,7 +139,7 @@ class SluiceIngress:
         # After the replicas are up, which converted the default model if it had to be.
         config = await self.replicas.config.remote()
         served = await asyncio.to_thread(load_served_model, settings.model, settings.cache_dir)
-        pool = ReplicaPool(self.replicas, config, served)
+        pool = ReplicaPool(self.replicas, config, served, origin=self.tag)
         seats = self.settings.max_replicas or self.settings.replicas
         return serve_state(settings, served, pool, num_replicas=seats, replicas=pool, id_tag=self.tag)
 

@@ -183,4 +183,4 @@ def test_a_replica_s_stats_survive_the_routing_stats_they_travel_as():
     published = engine_stats({})
     assert published.alive and published.num_running == 0  # a replica Ray runs, before it first published
     stats = replace(published, num_running=3, kv_blocks_used=7, vision_seconds=1.5, alive=False)
-    assert engine_stats(routing_stats(stats)) == stats
+    assert engine_stats(routing_stats(stats, {"ingress-1": 2})) == stats
