@@ -93,7 +93,7 @@ class ClusterSettings(Settings):
     """CPUs Ray reserves for each engine replica."""
     route_imbalance: int = Field(4, ge=0)
     """A prompt goes to the replica holding its prefix unless that one holds this many more requests than
-    the least-loaded replica."""
+    the least-loaded replica, plus one for each block of the prompt the least-loaded one would compute."""
     request_router: Literal["cache-aware", "power-of-two"] = "cache-aware"
     """How prompts are spread over engine replicas: Sluice's prefix-aware router, or Ray Serve's default
     (two replicas at random, the shorter queue; stored responses' pins are then not followed)."""
