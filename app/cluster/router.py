@@ -148,11 +148,9 @@ class CacheAwareRouter(RequestRouter):
         turn of conversations ending together) and send their next turns away from their KV."""
         published = replica.routing_stats
         mine = self.in_flight.get(replica.replica_id, 0) + self.chosen_count[replica.replica_id]
-        held_for = {key: count for key, count in published.items() if key.startswith(_HELD_FOR)}
-        if not held_for:
-            # Nothing published yet (a new replica), or nothing held.
-            return mine
-        return mine + int(sum(count for key, count in held_for.items() if key != _HELD_FOR + self.origin))
+        own_key = _HELD_FOR + self.origin
+        others = sum(count for key, count in published.items() if key.startswith(_HELD_FOR) and key != own_key)
+        return mine + int(others)
 
     def _choose(self, request_id: str, replica_id: ReplicaID | None) -> None:
         """Note (or, with None, forget) the replica a request was chosen for until it is routed; a choice older

@@ -64,9 +64,7 @@ def make_request(
 
 
 async def collect(engine: Engine, prompt: list[int], params: SamplingParams) -> list[Chunk]:
-    channel = StreamChannel(asyncio.get_running_loop(), num_choices=params.n)
-    engine.submit("t", prompt, params, channel)
-    return [chunk async for chunk in channel]
+    return (await collect_handed_over(engine, prompt, params))[0]
 
 
 class RecordingChannel(StreamChannel):
