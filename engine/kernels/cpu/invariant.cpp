@@ -310,6 +310,21 @@ constexpr int64_t kPrefetchGroups = 4;
 template <class F>
 constexpr int64_t kGroupBytes = F::bytes(256) / (256 / F::kGroup);
 
+// Whether a tile of Rows rows keeps its panels' scales in memory, re-read from L1 each k step (as the multiply-
+// adds' memory operands), rather than in registers: on AVX2 for tiles of one to three rows. Their accumulators
+// and their four or two panels' scales do not fit AVX's sixteen registers together (four Q4_1 panels' d and m
+// alone are sixteen), and GCC then spilled accumulators, so each k's chain waited on a store and a load. The
+// arithmetic is the same either way. On a Zen 2, one core: Q4_1 1.07x / 1.02x / 1.08x the multiply-adds a second
+// at 1 / 2 / 3 rows, Q4_K 1.06x, the same for the other forms; a 1-stream decode step 0.96x the time
+// (docs/performance.md).
+template <class F, int Rows>
+constexpr bool kScalesInMemory =
+#if defined(__AVX512F__) || defined(__aarch64__)
+    false;
+#else
+    Rows <= 3 && F::kScaleLanes > 0;
+#endif
+
 // Rows x (panels * 16) outputs, each a k-ordered FMA chain from zero. Every variant does the
 // same arithmetic per element; they differ only in how many elements share a pass over k. A panel's
 // weights are widened and used at once, so only the accumulators stay in registers across panels
@@ -337,7 +352,10 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
         for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
           _mm_prefetch((const char*)group[p] + kPrefetchGroups * kGroupBytes<F> + line, _MM_HINT_T0);
     }
+    // The scales' address escapes, so a compiler barrier each k step has them re-read rather than held.
+    if constexpr (kScalesInMemory<F, Rows>) asm volatile("" : : "r"(scales) : "memory");
     for (int kk = 0; kk < F::kGroup; kk += F::kStep) {
+      if constexpr (kScalesInMemory<F, Rows>) asm volatile("" : : : "memory");
       const int64_t k = g * F::kGroup + kk;
 #pragma GCC unroll 8
       for (int p = 0; p < Panels; ++p) {
