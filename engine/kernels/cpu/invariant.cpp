@@ -302,10 +302,11 @@ struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
 // A tile reads its panels as that many streams of a few kilobytes each, a new set every tile: too short for
 // the hardware's prefetchers to follow, so weights that miss the caches (all of a step's) came at half the
 // rate they do from L2. Each group's turn fetches the group about four ahead in every panel (the k-quants'
-// headers make the stride an average; past a panel's end it is the next panel's start). From memory, 1-row
-// Q4_1 1.9x (avx512) and 1.5x (avx2-fma) the multiply-adds a second, a decode step at one stream 0.85x the
-// time (Zen 5, docs/performance.md). Not for float32 and bfloat16, whose long runs a k the hardware follows
-// (float32 lost 10% with it).
+// headers make the stride an average), and in a tile's last groups the first groups of the next tile's panels,
+// which otherwise started cold (all but the first: past a panel's end lies the next panel's start). From
+// memory, 1-row Q4_1 1.9x (avx512) and 1.5x (avx2-fma) the multiply-adds a second, a decode step at one stream
+// 0.85x the time (Zen 5); the next tile's groups a 1-stream step 0.94x (Zen 2, docs/performance.md). Not for
+// float32 and bfloat16, whose long runs a k the hardware follows (float32 lost 10% with it).
 constexpr int64_t kPrefetchGroups = 4;
 template <class F>
 constexpr int64_t kGroupBytes = F::bytes(256) / (256 / F::kGroup);
@@ -347,10 +348,15 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
       scales[p] = F::scales(wp + p * panel_stride, g);
     }
     if constexpr (F::kGroup > 1) {
+      // Near the tile's end, the next tile's panels (those that follow these) from their start.
+      const int64_t ahead = g + kPrefetchGroups - groups;
+      const uint8_t* next = ahead >= 0 ? wp + Panels * panel_stride + ahead * kGroupBytes<F> : nullptr;
 #pragma GCC unroll 8
-      for (int p = 0; p < Panels; ++p)
-        for (int64_t line = 0; line < kGroupBytes<F>; line += 64)
-          _mm_prefetch((const char*)group[p] + kPrefetchGroups * kGroupBytes<F> + line, _MM_HINT_T0);
+      for (int p = 0; p < Panels; ++p) {
+        const char* target = next != nullptr ? (const char*)next + p * panel_stride
+                                             : (const char*)group[p] + kPrefetchGroups * kGroupBytes<F>;
+        for (int64_t line = 0; line < kGroupBytes<F>; line += 64) _mm_prefetch(target + line, _MM_HINT_T0);
+      }
     }
     // The scales' address escapes, so a compiler barrier each k step has them re-read rather than held.
     if constexpr (kScalesInMemory<F, Rows>) asm volatile("" : : "r"(scales) : "memory");
