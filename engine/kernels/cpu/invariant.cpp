@@ -380,8 +380,12 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
     for (int p = 0; p < Panels; ++p) store_lanes(y + r * y_stride + p * kPanel, acc[r][p]);
 }
 
-// Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2, 1 x 4; AVX-512's
-// thirty-two registers take 4 panels for any number of rows (up to 24 accumulators). A NEON panel is four of
+// Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2, 1 x 4 for float32 and
+// bfloat16; a row of a form with scales takes 2 panels (its scales in memory: kScalesInMemory), whose 4 chains
+// of multiply-adds keep up with the widening: 4 panels left a 2-panel tail in two 1-panel tiles in most of a
+// decode step's shares (18, 6, 48 panels), and on a Zen 2 a 1-stream step ran 0.95x the time with 2 (Q8_0 from
+// memory 1.1x the multiply-adds a second, Q4_1 and Q4_K 1.01x; float32 and bfloat16 0.85x, so they keep 4).
+// AVX-512's thirty-two registers take 4 panels for any number of rows (up to 24 accumulators). A NEON panel is four of
 // its thirty-two registers, and NEON's arithmetic takes no operand from memory, so there the tile is as wide
 // as its accumulators, its panels' scales and one widened k step fit in 24 registers, the other 8 left to
 // the widening: wider tiles spilled to the stack every k, 1.1x to 1.3x the instructions (Q4_1 at 1 row in 4
@@ -394,7 +398,7 @@ constexpr int panels_for() {
   auto fits = [](int panels) { return Rows * panels + panels * F::kScaleLanes + F::kStep <= 6; };
   return fits(4) ? 4 : (fits(2) ? 2 : 1);
 #else
-  return Rows >= 4 ? 1 : (Rows >= 2 ? 2 : 4);
+  return Rows >= 4 ? 1 : (Rows >= 2 || F::kScaleLanes > 0 ? 2 : 4);
 #endif
 }
 
