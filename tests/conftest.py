@@ -6,22 +6,26 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _has_avx512() -> bool:
+def _openblas_kernels() -> str | None:
     # From /proc/cpuinfo, not torch's CPU capability (engine/kernels/cpu/native.py): importing torch loads numpy,
-    # and OpenBLAS reads OPENBLAS_CORETYPE once, as numpy loads it.
+    # and OpenBLAS reads OPENBLAS_CORETYPE once, as numpy loads it. x86's flags only (ARM's line is "Features").
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return False
-    return {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= set(flags.split())
+        return None
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= set(flags.split()):
+        return "SkylakeX"
+    return "SandyBridge" if "avx" in flags.split() else None
 
 
-# Triton's interpreter (below) runs tl.dot on numpy's OpenBLAS. With its Haswell kernels, which this workplace's
-# environment asks for (OPENBLAS_CORETYPE=Haswell), the GPU kernels' bit-for-bit tests in the interpreter (a
-# decode against a chunk's end, images alone against together) failed on an AMD Zen 5: 16 of them; with the
-# SkylakeX kernels, which OpenBLAS picks there by itself, they pass.
-if _has_avx512():
-    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+# Triton's interpreter (below) runs tl.dot on numpy's OpenBLAS, so the GPU kernels' bit-for-bit tests in the
+# interpreter (a decode against a chunk's end, a request alone against batched, images alone against together)
+# hold only where OpenBLAS gives a row the same bits whatever the matrix's other rows. Its Haswell and Zen
+# kernels do not: with them 16 of those tests failed, on an AMD Zen 5 (this workplace's environment asked for
+# Haswell there) and on a Zen 2 (where OpenBLAS picks them itself). Its SkylakeX kernels (on AVX-512) and its
+# SandyBridge kernels (AVX, no FMA) do, and the tests pass with them.
+if (_kernels := _openblas_kernels()) is not None:
+    os.environ["OPENBLAS_CORETYPE"] = _kernels
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
