@@ -312,12 +312,11 @@ template <class F>
 constexpr int64_t kGroupBytes = F::bytes(256) / (256 / F::kGroup);
 
 // Whether a tile of Rows rows keeps its panels' scales in memory, re-read from L1 each k step (as the multiply-
-// adds' memory operands), rather than in registers: on AVX2 for tiles of one to three rows. Their accumulators
-// and their four or two panels' scales do not fit AVX's sixteen registers together (four Q4_1 panels' d and m
-// alone are sixteen), and GCC then spilled accumulators, so each k's chain waited on a store and a load. The
-// arithmetic is the same either way. On a Zen 2, one core: Q4_1 1.07x / 1.02x / 1.08x the multiply-adds a second
-// at 1 / 2 / 3 rows, Q4_K 1.06x, the same for the other forms; a 1-stream decode step 0.96x the time
-// (docs/performance.md).
+// adds' memory operands), rather than in registers: on AVX2 for tiles of one to three rows (two panels of a form
+// with scales: panels_for). Their accumulators, two panels' scales (Q4_1's d and m are eight registers), the
+// widened weights and x do not fit AVX's sixteen registers together, and GCC then spilled accumulators, so
+// each k's chain waited on a store and a load. The arithmetic is the same either way (docs/performance.md,
+// "One row on AVX2").
 template <class F, int Rows>
 constexpr bool kScalesInMemory =
 #if defined(__AVX512F__) || defined(__aarch64__)
@@ -348,13 +347,12 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
       scales[p] = F::scales(wp + p * panel_stride, g);
     }
     if constexpr (F::kGroup > 1) {
-      // Near the tile's end, the next tile's panels (those that follow these) from their start.
-      const int64_t ahead = g + kPrefetchGroups - groups;
-      const uint8_t* next = ahead >= 0 ? wp + Panels * panel_stride + ahead * kGroupBytes<F> : nullptr;
+      const int64_t ahead = g + kPrefetchGroups - groups;  // >= 0: in the next tile's panels
+      const uint8_t* next = wp + Panels * panel_stride + ahead * kGroupBytes<F>;
 #pragma GCC unroll 8
       for (int p = 0; p < Panels; ++p) {
-        const char* target = next != nullptr ? (const char*)next + p * panel_stride
-                                             : (const char*)group[p] + kPrefetchGroups * kGroupBytes<F>;
+        const char* target = ahead >= 0 ? (const char*)next + p * panel_stride
+                                        : (const char*)group[p] + kPrefetchGroups * kGroupBytes<F>;
         for (int64_t line = 0; line < kGroupBytes<F>; line += 64) _mm_prefetch(target + line, _MM_HINT_T0);
       }
     }
@@ -380,16 +378,16 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
     for (int p = 0; p < Panels; ++p) store_lanes(y + r * y_stride + p * kPanel, acc[r][p]);
 }
 
-// Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2, 1 x 4 for float32 and
-// bfloat16; a row of a form with scales takes 2 panels (its scales in memory: kScalesInMemory), whose 4 chains
-// of multiply-adds keep up with the widening: 4 panels left a 2-panel tail in two 1-panel tiles in most of a
-// decode step's shares (18, 6, 48 panels), and on a Zen 2 a 1-stream step ran 0.95x the time with 2 (Q8_0 from
-// memory 1.1x the multiply-adds a second, Q4_1 and Q4_K 1.01x; float32 and bfloat16 0.85x, so they keep 4).
-// AVX-512's thirty-two registers take 4 panels for any number of rows (up to 24 accumulators). A NEON panel is four of
-// its thirty-two registers, and NEON's arithmetic takes no operand from memory, so there the tile is as wide
-// as its accumulators, its panels' scales and one widened k step fit in 24 registers, the other 8 left to
-// the widening: wider tiles spilled to the stack every k, 1.1x to 1.3x the instructions (Q4_1 at 1 row in 4
-// panels against 1, Q6_K at 3 rows in 2 against 1; docs/performance.md).
+// Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2 and, for float32
+// and bfloat16, 1 x 4. A row of a form with scales takes 2 panels (its scales in memory: kScalesInMemory),
+// whose 4 chains keep up with the widening: with 4, the 18- and 6-panel shares of a decode step's q, k, v, o
+// and down ended in two 1-panel tiles, and a 1-stream step on a Zen 2 took 1.05x the time; float32 and
+// bfloat16, with no widening to hide the chains' latency, ran slower with 2 (docs/performance.md, "One row on
+// AVX2"). AVX-512's thirty-two registers take 4 panels for any number of rows (up to 24 accumulators). A NEON
+// panel is four of its thirty-two registers, and NEON's arithmetic takes no operand from memory, so there the
+// tile is as wide as its accumulators, its panels' scales and one widened k step fit in 24 registers, the
+// other 8 left to the widening: wider tiles spilled to the stack every k, 1.1x to 1.3x the instructions (Q4_1
+// at 1 row in 4 panels against 1, Q6_K at 3 rows in 2 against 1; docs/performance.md).
 template <class F, int Rows>
 constexpr int panels_for() {
 #if defined(__AVX512F__)
