@@ -10,12 +10,13 @@ def _openblas_kernels() -> str | None:
     # From /proc/cpuinfo, not torch's CPU capability (engine/kernels/cpu/native.py): importing torch loads numpy,
     # and OpenBLAS reads OPENBLAS_CORETYPE once, as numpy loads it. x86's flags only (ARM's line is "Features").
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return None
-    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= set(flags.split()):
+    flags = set(line.split())
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= flags:
         return "SkylakeX"
-    return "SandyBridge" if "avx" in flags.split() else None
+    return "SandyBridge" if "avx" in flags else None
 
 
 # Triton's interpreter (below) runs tl.dot on numpy's OpenBLAS, so the GPU kernels' bit-for-bit tests in the
