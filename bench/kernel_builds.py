@@ -38,7 +38,7 @@ def random_source(form: WeightForm, out_features: int, in_features: int) -> torc
     generator = np.random.default_rng(0)
     count = in_features // BLOCK_WEIGHTS[form]
     blocks = generator.integers(0, 256, (out_features, count, BLOCK_BYTES[form]), dtype=np.uint8)
-    if form == WeightForm.Q8_F32:
+    if form in (WeightForm.Q8_F32, WeightForm.Q8_F32_16):
         scales = (generator.standard_normal((out_features, count, 1)) * 0.05).astype(np.float32)
         blocks[..., :4] = scales.view(np.uint8)
     else:

@@ -23,8 +23,12 @@ the same outputs.
   or 5; IQ1_S's d' = d * (2s + 1) / 8 with q' = 8 * grid ± 1), so d' * q' rounds once where GGUF's dequantizer
   rounds (d * u) * grid once: the same value (rounding to nearest is symmetric in the sign). The grids are
   gguf's own tables. 9 bits where the files have 4.25, 3.44, 3.06, 2.06, 1.56 and 4.25.
+- IQ2_XS and IQ2_S (IQ2_XXS's arithmetic with a scale per 16 weights), IQ1_M (IQ1_S's, a scale per 16 weights,
+  the delta's sign per 8) and NVFP4 (w = d * q, d an unsigned e4m3 halved per 16 weights, q an int8 of GGUF's
+  doubled e2m1 table) as Q8_F32_16: Q8_F32 with a float32 d per 16 weights, by the same reasoning. 10 bits
+  where the files have 2.31, 2.56, 1.75 and 4.5.
 
-Each is 3.6 to 6.4 times fewer bytes a step than float32; the loader checks every packed weight against its
+Each is 3.2 to 6.4 times fewer bytes a step than float32; the loader checks every packed weight against its
 float32 conversion as it does for every form, and keeps float32 where they differ (a Q4_0 d so large that -8 *
 d overflows fp16, say).
 """
@@ -35,7 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
-from gguf.quants import IQ1_S, IQ2_XXS, IQ3_S, IQ3_XXS, MXFP4
+from gguf.quants import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, MXFP4, NVFP4
 
 from engine.kernels.cpu.invariant import WeightForm
 
@@ -93,7 +97,8 @@ def q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 
 def _q8_f32(d: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Q8_F32 blocks [..., 36 bytes: float32 d, 32 int8] from d [..., groups] and q [..., groups, 32]."""
+    """Q8_F32 (or Q8_F32_16) blocks [..., 36 (20) bytes: float32 d, 32 (16) int8] from d [..., groups] and q
+    [..., groups, 32 (16)]."""
     d_bytes = d.astype(np.float32)[..., None].view(np.uint8)
     blocks = np.concatenate([d_bytes, q.astype(np.int8).view(np.uint8)], axis=-1)
     return blocks.reshape(*blocks.shape[:-2], -1)
@@ -150,7 +155,9 @@ def _grid(kind: type) -> np.ndarray:
     return np.rint(kind.grid.reshape(kind.grid_shape)).astype(np.int8)
 
 
-_IQ2_XXS_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (_grid(kind) for kind in (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S))
+_IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID, _IQ1_M_GRID = (
+    _grid(kind) for kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
+)
 _KSIGNS = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)
 _SIGN_FIELDS = np.array([0, 7, 14, 21], dtype=np.uint32)
 
@@ -213,6 +220,65 @@ def iq1_s_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
     return _q8_f32(d, q.reshape(*shape, 8, 32))
 
 
+def _per_16_scales(bytes_: np.ndarray) -> np.ndarray:
+    """IQ2_XS's and IQ2_S's 8 bytes of 4-bit scales [..., 8] (scale i in byte i // 2, nibble i % 2) as their
+    16 factors u = (0.5 + s) / 4, float32 [..., 16]."""
+    i = np.arange(16)
+    return ((0.5 + (bytes_[..., i // 2] >> (4 * (i % 2)) & 15).astype(np.float32)) * 0.25).astype(np.float32)
+
+
+def iq2_xs_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
+    """IQ2_XS super-blocks [..., 74 bytes: d, 32 16-bit words (a 9-bit index into its grid of 8 values, a 7-bit
+    index into GGUF's ksigns), 8 bytes of 4-bit scales] as 16 Q8_F32_16 blocks, u = (0.5 + s) / 4."""
+    shape = blocks.shape[:-1]
+    words = blocks[..., 2:66].copy().view("<u2")
+    q = _IQ2_XS_GRID[words & 511] * _signs(_KSIGNS[words >> 9])
+    d = _fp16_d(blocks, slice(0, 2))[..., None] * _per_16_scales(blocks[..., 66:74])
+    return _q8_f32(d, q.reshape(*shape, 16, 16))
+
+
+def iq2_s_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
+    """IQ2_S super-blocks [..., 82 bytes: d, the low 8 bits of 32 10-bit indices into its grid of 8 values, a
+    sign bit a weight, their high 2 bits (index i's at bits 2 (i % 4) of byte i // 4), 8 bytes of 4-bit scales]
+    as 16 Q8_F32_16 blocks, u = (0.5 + s) / 4."""
+    shape = blocks.shape[:-1]
+    i = np.arange(32)
+    high = blocks[..., 66 + i // 4] >> (2 * (i % 4)) & 3
+    index = blocks[..., 2:34].astype(np.uint16) | high.astype(np.uint16) << 8
+    q = _IQ2_S_GRID[index] * _signs(blocks[..., 34:66])
+    d = _fp16_d(blocks, slice(0, 2))[..., None] * _per_16_scales(blocks[..., 74:82])
+    return _q8_f32(d, q.reshape(*shape, 16, 16))
+
+
+def iq1_m_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
+    """IQ1_M super-blocks [..., 56 bytes: the low 8 bits of 32 11-bit indices into its grid of 8 values in {-1,
+    0, 1}, a nibble an index (3 high bits, the sign of its delta), 4 16-bit words of 4 3-bit scales s each whose
+    top nibbles are d's fp16 bits] as 16 Q8_F32_16 blocks. w = (d * (2s + 1)) * (grid ± 1/8), as IQ1_S's: d' =
+    d * (2s + 1) / 8 and q' = 8 * grid ± 1."""
+    shape = blocks.shape[:-1]
+    words = blocks[..., 48:56].copy().view("<u2")
+    d_bits = np.bitwise_or.reduce((words & 0xF000) >> np.array([12, 8, 4, 0], dtype=np.uint16), axis=-1)
+    d = d_bits.astype(np.uint16)[..., None].view(np.float16).astype(np.float32)
+    scales = (words[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
+    fields = (blocks[..., 32:48, None] >> np.array([0, 4], dtype=np.uint8)).reshape(*shape, 32)
+    index = blocks[..., :32].astype(np.uint16) | (fields & 7).astype(np.uint16) << 8
+    delta = np.where(fields & 8, -1, 1).astype(np.int8)
+    q = 8 * _IQ1_M_GRID[index] + delta[..., None]
+    u = (2 * scales.reshape(*shape, 16) + 1).astype(np.float32) * np.float32(0.125)
+    return _q8_f32(d * u, q.reshape(*shape, 16, 16))
+
+
+def nvfp4_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
+    """NVFP4 blocks [..., 36 bytes: 4 unsigned e4m3 scales, then 4 x 8 bytes of nibbles (sub-block s's weight j
+    in byte 8s + j's low nibble, weight j + 8 in its high one)] as 4 Q8_F32_16 blocks: d GGUF's (the e4m3 value
+    halved), q its doubled e2m1 values."""
+    shape = blocks.shape[:-1]
+    d = NVFP4.ue4m3_to_fp32(blocks[..., :4]).astype(np.float32)
+    nibbles = blocks[..., 4:].reshape(*shape, 4, 8)
+    q = np.array(NVFP4.kvalues, dtype=np.int8)[np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)]
+    return _q8_f32(d, q)
+
+
 # A GGUF type → the form its blocks are rewritten as, and how: rows [N, K / block weights * block bytes].
 TRANSCODED: dict[GGMLQuantizationType, tuple[WeightForm, Callable[[np.ndarray], np.ndarray]]] = {
     GGMLQuantizationType.Q4_0: (WeightForm.Q4_1, q4_0_as_q4_1),
@@ -226,6 +292,10 @@ TRANSCODED: dict[GGMLQuantizationType, tuple[WeightForm, Callable[[np.ndarray], 
     GGMLQuantizationType.IQ3_XXS: (WeightForm.Q8_F32, iq3_xxs_as_q8_f32),
     GGMLQuantizationType.IQ2_XXS: (WeightForm.Q8_F32, iq2_xxs_as_q8_f32),
     GGMLQuantizationType.IQ1_S: (WeightForm.Q8_F32, iq1_s_as_q8_f32),
+    GGMLQuantizationType.IQ2_XS: (WeightForm.Q8_F32_16, iq2_xs_as_q8_f32_16),
+    GGMLQuantizationType.IQ2_S: (WeightForm.Q8_F32_16, iq2_s_as_q8_f32_16),
+    GGMLQuantizationType.IQ1_M: (WeightForm.Q8_F32_16, iq1_m_as_q8_f32_16),
+    GGMLQuantizationType.NVFP4: (WeightForm.Q8_F32_16, nvfp4_as_q8_f32_16),
 }
 
 

@@ -4,9 +4,9 @@ as, for the batch-invariant CPU kernels.
 Converting the GGUF dequantizes each block to float32 (GGUF's own dequantizer, then transformers' row
 order); the kernels widen the same blocks in registers to the same float32 values, so keeping the blocks
 changes no output while each step reads 4.5 bits per weight (Q4_K), 5 (Q4_1), 5.1 (Q2_K), 5.5 (Q5_0, Q5_K), 6
-(Q5_1), 6.6 (Q6_K) or 8.5 (Q8_0) instead of 32. Other types (Q4_0, Q3_K, the TQ and most IQ types, MXFP4)
-are rewritten as blocks of one of those forms, or of Q8_F32 (9 bits), that hold the same weights
-(engine/model/gguf_transcode.py's TRANSCODED).
+(Q5_1), 6.6 (Q6_K) or 8.5 (Q8_0) instead of 32. Other types (Q4_0, Q3_K, the TQ and IQ types, MXFP4, NVFP4)
+are rewritten as blocks of one of those forms, or of Q8_F32 (9 bits) or Q8_F32_16 (10), that hold the same
+weights (engine/model/gguf_transcode.py's TRANSCODED).
 """
 
 from __future__ import annotations

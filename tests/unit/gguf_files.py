@@ -133,6 +133,9 @@ SCALE_SPREAD = {
     "IQ2_XXS": 4e-3,
     "IQ1_S": 0.02,
     "Q8_F32": 0.05,
+    "Q8_F32_16": 0.05,
+    "IQ2_XS": 4e-3,
+    "IQ2_S": 4e-3,
 }
 # Where the GGUF types the kernels take as blocks of another form (engine/model/gguf_transcode.py) keep their
 # fp16 scale d (MXFP4's is an exponent byte, its first).
@@ -147,6 +150,8 @@ TRANSCODED_SCALE_BYTES = {
     "IQ3_XXS": slice(0, 2),
     "IQ2_XXS": slice(0, 2),
     "IQ1_S": slice(0, 2),
+    "IQ2_XS": slice(0, 2),
+    "IQ2_S": slice(0, 2),
 }
 
 
@@ -155,8 +160,9 @@ def random_blocks(
 ) -> torch.Tensor:
     """GGUF blocks of `kind` (a form's, or a GGUF type's) with random fp16 scales (and offsets, or minimums'
     scales) and every other byte drawn: the quantized values and the k-quants' sub-block scales, any of whose
-    bits are valid. The same shape and `seed` draw the same blocks. Q8_F32's scales are float32, MXFP4's
-    exponents 2^-7 to 2^-5."""
+    bits are valid. The same shape and `seed` draw the same blocks. Q8_F32's and Q8_F32_16's scales are
+    float32, MXFP4's exponents 2^-7 to 2^-5, NVFP4's scales (e4m3, halved as GGUF reads them) under 2^-5,
+    IQ1_M's d (fp16 bits in its scale words' top nibbles) IQ1_S's spread."""
     form = WeightForm.__members__.get(kind.name)
     if form is not None:
         block_weights, block_bytes = BLOCK_WEIGHTS[form], BLOCK_BYTES[form]
@@ -167,7 +173,14 @@ def random_blocks(
     data = generator.integers(0, 256, (blocks, block_bytes), dtype=np.uint8)
     if kind.name == "MXFP4":
         data[:, 0] = generator.integers(121, 124, blocks)
-    elif form == WeightForm.Q8_F32:
+    elif kind.name == "NVFP4":
+        data[:, :4] = generator.integers(0, 24, (blocks, 4))
+    elif kind.name == "IQ1_M":
+        d = (generator.standard_normal(blocks) * SCALE_SPREAD["IQ1_S"]).astype(np.float16).view(np.uint16)
+        words = data[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        words |= (d[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16) & 15) << 12
+        data[:, 48:56] = words.view(np.uint8)
+    elif form in (WeightForm.Q8_F32, WeightForm.Q8_F32_16):
         scales = (generator.standard_normal((blocks, 1)) * SCALE_SPREAD[kind.name]).astype(np.float32)
         data[:, :4] = scales.view(np.uint8)
     else:
@@ -179,8 +192,8 @@ def random_blocks(
 
 def dequantized(form: WeightForm, blocks: np.ndarray) -> np.ndarray:
     """Rows of `form`'s blocks [N, bytes] as the loader converts them, [N, weights]: GGUF's dequantizer, or
-    Q8_F32's d * q (GGUF has no such type)."""
-    if form != WeightForm.Q8_F32:
+    Q8_F32's and Q8_F32_16's d * q (GGUF has no such types)."""
+    if form not in (WeightForm.Q8_F32, WeightForm.Q8_F32_16):
         return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[form.name])
     rows = blocks.reshape(blocks.shape[0], -1, BLOCK_BYTES[form])
     d = rows[..., :4].copy().view(np.float32)

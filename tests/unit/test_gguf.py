@@ -101,6 +101,10 @@ async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form
         (gguf.GGMLQuantizationType.IQ2_XXS, WeightForm.Q8_F32),
         (gguf.GGMLQuantizationType.IQ1_S, WeightForm.Q8_F32),
         (gguf.GGMLQuantizationType.MXFP4, WeightForm.Q8_F32),
+        (gguf.GGMLQuantizationType.IQ2_XS, WeightForm.Q8_F32_16),
+        (gguf.GGMLQuantizationType.IQ2_S, WeightForm.Q8_F32_16),
+        (gguf.GGMLQuantizationType.IQ1_M, WeightForm.Q8_F32_16),
+        (gguf.GGMLQuantizationType.NVFP4, WeightForm.Q8_F32_16),
     ],
     ids=lambda value: value.name,
 )

@@ -1,5 +1,5 @@
 """The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K
-and Q6_K blocks, Q8_F32's that other GGUF types are rewritten as, bfloat16):
+and Q6_K blocks, the Q8_F32 and Q8_F32_16 ones that other GGUF types are rewritten as, bfloat16):
 bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
@@ -25,6 +25,8 @@ FIVE_BIT_SHAPES = [(1536, 576), (577, 1536), (100, 64), (1, 32), (17, 96)]
 SUPER_BLOCK_SHAPES = [(100, 256), (17, 512), (1, 1536), (577, 1536), (8200, 256)]
 K_QUANTS = (WeightForm.Q4_K, WeightForm.Q5_K, WeightForm.Q6_K, WeightForm.Q2_K)
 FIVE_BITS = (WeightForm.Q5_0, WeightForm.Q5_1)
+# Q8_F32_16's groups of 16: a K of an odd number of them too.
+SIXTEENS_SHAPES = [*SHAPES, (33, 48), (1, 16)]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,7 @@ def assert_same_bits(library, packed: PackedLinear, weight: torch.Tensor) -> Non
         *((form, *shape) for form in (WeightForm.Q8_0, WeightForm.Q4_1, WeightForm.Q8_F32) for shape in SHAPES),
         *((form, *shape) for form in FIVE_BITS for shape in FIVE_BIT_SHAPES),
         *((form, *shape) for form in K_QUANTS for shape in SUPER_BLOCK_SHAPES),
+        *((WeightForm.Q8_F32_16, *shape) for shape in SIXTEENS_SHAPES),
     ],
     ids=lambda value: getattr(value, "name", str(value)),
 )
@@ -95,7 +98,9 @@ def test_blocks_of_the_wrong_shape_are_refused(library):
 
 
 @pytest.mark.parametrize(
-    "form", [WeightForm.Q4_1, WeightForm.Q8_F32, *FIVE_BITS, *K_QUANTS], ids=lambda form: form.name
+    "form",
+    [WeightForm.Q4_1, WeightForm.Q8_F32, WeightForm.Q8_F32_16, *FIVE_BITS, *K_QUANTS],
+    ids=lambda form: form.name,
 )
 def test_unpacked_gives_the_values_the_kernel_widens_to(library, form):
     blocks = random_blocks(form, 40, 512)

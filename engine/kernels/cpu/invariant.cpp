@@ -1,7 +1,7 @@
 // Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA or with AVX-512, and for AArch64's NEON (the
 // avx2-fma, avx512 and neon variants of native.py: one build each), the linear layer's weights held in the form
 // they ship in (float32, bfloat16, GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K blocks, or the Q8_F32
-// blocks other GGUF types are rewritten as) and widened exactly to float32 in registers.
+// and Q8_F32_16 blocks other GGUF types are rewritten as) and widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
 // chain of fused multiply-adds in a fixed order (k = 0, 1, ..., K-1 for a linear layer;
@@ -49,6 +49,7 @@ constexpr int64_t kMaxBlock = 256;
 //          dequantizer computes it in float32.
 //   kQ8_F32: kQ8_0's with float32 d: no GGUF type of its own, the form GGUF types whose weights are a small
 //          integer times a per-32 scale that fp16 cannot hold are rewritten as (engine/model/gguf_transcode.py).
+//   kQ8_F32_16: kQ8_F32's with groups of 16 k, for the GGUF types whose scales are per 16 weights.
 //   kQ4_1: per 32 k, the scales d then the offsets m (fp16), then 16 x 16 bytes, one per two k: byte j
 //          holding column j at the even k in its low nibble and at the odd k in its high one (so one 16-byte
 //          load and widening serve two k); w = (d * q) + m, two roundings, as GGUF's
@@ -93,6 +94,7 @@ enum Form : int64_t {
   kQ5_1 = 8,
   kQ2_K = 9,
   kQ8_F32 = 10,
+  kQ8_F32_16 = 11,
 };
 
 // A form's groups of kGroup k, each with its own Scales, GroupBytes apart in a panel; sl_pack reads the
@@ -162,10 +164,10 @@ inline void set_five(uint8_t* fields, int kk, int c, int q) {
   memcpy(fields + kk * 10 + 5 * c / 8, &window, 2);
 }
 
-// Q8_0 and Q8_F32 (Wide: float32 d); a group: d, then the int8 values.
-template <bool Wide>
-struct Int8s : Groups<32, kPanel * (Wide ? 4 : 2) + 32 * kPanel> {
-  using Base = Groups<32, kPanel * (Wide ? 4 : 2) + 32 * kPanel>;
+// Q8_0 and Q8_F32 (Wide: float32 d), Q8_F32_16 (Group 16); a group: d, then the int8 values.
+template <bool Wide, int Group = 32>
+struct Int8s : Groups<Group, kPanel * (Wide ? 4 : 2) + Group * kPanel> {
+  using Base = Groups<Group, kPanel * (Wide ? 4 : 2) + Group * kPanel>;
   static constexpr int64_t kValues = kPanel * (Wide ? 4 : 2);
   struct Scales {
     Lanes d;
@@ -179,13 +181,14 @@ struct Int8s : Groups<32, kPanel * (Wide ? 4 : 2) + 32 * kPanel> {
     w[0] = mul_lanes(int8s_to_lanes(group + kValues + kk * kPanel), s.d);
   }
   static float scalar(const uint8_t* panel, int64_t k, int c) {
-    const uint8_t* group = panel + Base::offset(k / 32);
+    const uint8_t* group = panel + Base::offset(k / Group);
     const float d = Wide ? ((const float*)group)[c] : half_to_float(group, c);
-    return (float)((const int8_t*)group)[kValues + k % 32 * kPanel + c] * d;
+    return (float)((const int8_t*)group)[kValues + k % Group * kPanel + c] * d;
   }
 };
 using Q8_0 = Int8s<false>;
 using Q8_F32 = Int8s<true>;
+using Q8_F32_16 = Int8s<true, 16>;
 
 struct Q4_1 : Groups<32, kPanel * 4 + 32 * kPanel / 2> {
   static constexpr int kStep = 2;
@@ -601,16 +604,16 @@ void pack_panels(int64_t n_dim, int64_t k_dim, uint8_t* wp, Column column) {
       for (int64_t b = 0; b < blocks; ++b) column(n, b, wp + p * panel_bytes<F>(k_dim));
 }
 
-// Q8_0's or Q8_F32's blocks (d, fp16 or float32, then 32 int8) into panels.
+// Q8_0's, Q8_F32's or Q8_F32_16's blocks (d, fp16 or float32, then a group's int8) into panels.
 template <class F>
 void pack_int8s(int64_t n_dim, int64_t k_dim, const uint8_t* src, uint8_t* wp) {
-  constexpr int64_t scale_bytes = F::kValues / kPanel, block_bytes = scale_bytes + 32;
+  constexpr int64_t scale_bytes = F::kValues / kPanel, block_bytes = scale_bytes + F::kGroup;
   pack_panels<F>(n_dim, k_dim, wp, [&](int64_t n, int64_t g, uint8_t* panel) {
-    const uint8_t* block = src + (n * (k_dim / 32) + g) * block_bytes;
+    const uint8_t* block = src + (n * (k_dim / F::kGroup) + g) * block_bytes;
     uint8_t* dst = panel + F::offset(g);
     const int c = (int)(n % kPanel);
     memcpy(dst + c * scale_bytes, block, scale_bytes);
-    for (int kk = 0; kk < 32; ++kk) dst[F::kValues + kk * kPanel + c] = block[scale_bytes + kk];
+    for (int kk = 0; kk < F::kGroup; ++kk) dst[F::kValues + kk * kPanel + c] = block[scale_bytes + kk];
   });
 }
 
@@ -886,6 +889,7 @@ void with_form(int64_t form, Run run) {
     case kBF16: run(BF16{}); break;
     case kQ8_0: run(Q8_0{}); break;
     case kQ8_F32: run(Q8_F32{}); break;
+    case kQ8_F32_16: run(Q8_F32_16{}); break;
     case kQ4_1: run(Q4_1{}); break;
     case kQ5_0: run(Q5_0{}); break;
     case kQ5_1: run(Q5_1{}); break;
@@ -970,6 +974,10 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
     case kQ8_F32:
       // A block: d (float32), then 32 int8.
       pack_int8s<Q8_F32>(n_dim, k_dim, src, wp);
+      break;
+    case kQ8_F32_16:
+      // A block: d (float32), then 16 int8.
+      pack_int8s<Q8_F32_16>(n_dim, k_dim, src, wp);
       break;
     case kQ4_1:
       // A block: d, m (fp16), then 16 bytes: weight j in byte j's low nibble, weight j + 16 in its high one.

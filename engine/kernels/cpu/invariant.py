@@ -44,6 +44,8 @@ class WeightForm(IntEnum):
     # Q8_0's blocks with float32 d: no GGUF type, the form that GGUF types whose weights are a small integer times
     # a per-32 scale fp16 cannot hold are rewritten as (engine/model/gguf_transcode.py's TRANSCODED names them).
     Q8_F32 = 10
+    # Q8_F32's with a scale per 16 weights: the form of the GGUF types whose scales are per 16 weights.
+    Q8_F32_16 = 11
 
 
 # A GGUF block's weights along K and its bytes, per form.
@@ -57,6 +59,7 @@ BLOCK_WEIGHTS = {
     WeightForm.Q6_K: 256,
     WeightForm.Q2_K: 256,
     WeightForm.Q8_F32: 32,
+    WeightForm.Q8_F32_16: 16,
 }
 BLOCK_BYTES = {
     WeightForm.Q8_0: 34,
@@ -68,9 +71,11 @@ BLOCK_BYTES = {
     WeightForm.Q6_K: 210,
     WeightForm.Q2_K: 84,
     WeightForm.Q8_F32: 36,
+    WeightForm.Q8_F32_16: 20,
 }
 # Where a GGUF block keeps its fp16 values: d (Q8_0, Q5_0); d then m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); d at its
-# end (Q6_K), d then dmin at their end (Q2_K). Q8_F32 has none: its d is a float32, the block's first 4 bytes.
+# end (Q6_K), d then dmin at their end (Q2_K). Q8_F32 and Q8_F32_16 have none: their d is a float32, the block's
+# first 4 bytes.
 SCALE_BYTES = {
     WeightForm.Q8_0: slice(0, 2),
     WeightForm.Q4_1: slice(0, 4),
