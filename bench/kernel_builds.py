@@ -29,12 +29,16 @@ def kernel_builds(args: argparse.Namespace) -> dict[str, ctypes.CDLL]:
     return builds
 
 
+# The forms of whole floating-point weights, and their torch dtypes.
+FLOAT_DTYPES = {WeightForm.F32: torch.float32, WeightForm.BF16: torch.bfloat16, WeightForm.F16: torch.float16}
+
+
 def random_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
-    """What sl_pack packs into `form`: a random float32 or bfloat16 weight [N, K], or rows of GGUF blocks (random
-    fp16 scales and offsets over random quantized bytes) as uint8."""
-    if form in (WeightForm.F32, WeightForm.BF16):
+    """What sl_pack packs into `form`: a random float32, bfloat16 or float16 weight [N, K], or rows of GGUF blocks
+    (random fp16 scales and offsets over random quantized bytes) as uint8."""
+    if form in FLOAT_DTYPES:
         weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
-        return weight if form == WeightForm.F32 else weight.bfloat16()
+        return weight.to(FLOAT_DTYPES[form])
     generator = np.random.default_rng(0)
     count = in_features // BLOCK_WEIGHTS[form]
     blocks = generator.integers(0, 256, (out_features, count, BLOCK_BYTES[form]), dtype=np.uint8)
@@ -52,7 +56,7 @@ def random_source(form: WeightForm, out_features: int, in_features: int) -> torc
 def random_packed(library: ctypes.CDLL, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
     """random_source's weight packed by `library`."""
     source = random_source(form, out_features, in_features)
-    if form in (WeightForm.F32, WeightForm.BF16):
+    if form in FLOAT_DTYPES:
         return PackedLinear.pack(library, source)
     return PackedLinear.pack_blocks(library, form, source, out_features, in_features)
 

@@ -46,7 +46,7 @@ def use_invariant_kernels(
     nothing else shares it) and routes attention through them; logs why not where they cannot run.
 
     Each weight is kept in the precision its source has: the GGUF `gguf`'s blocks (it is the model's
-    source), bfloat16 where every value is one, else float32. A form is kept only where the values the
+    source), bfloat16 or float16 where every value is one, else float32. A form is kept only where the values the
     kernel widens it to are exactly the float32 weight's, so the outputs are the float32 kernel's bits.
     `quantize` ("q8_0", "q4_1") instead quantizes every layer whose input width allows it into that form
     (the output head into Q8_0)."""
@@ -156,11 +156,16 @@ def _pack_as_shipped(
 ) -> PackedLinear:
     weight = module.weight.detach()
     if blocks is not None:
-        candidate = PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)
+        candidates = [PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)]
     else:
-        candidate = PackedLinear.pack(library, weight.bfloat16())
-    if same_weights(candidate.unpacked(), weight.float()):
-        return candidate
+        # A bfloat16 checkpoint's values are bfloat16, a float16 one's (or a GGUF's F16 tensors') float16: the
+        # narrower form that holds them all, tried first where a round trip keeps them.
+        held = (dtype for dtype in (torch.bfloat16, torch.float16) if torch.equal(weight.to(dtype).float(), weight))
+        narrow = next(held, None)
+        candidates = [] if narrow is None else [PackedLinear.pack(library, weight.to(narrow))]
+    for candidate in candidates:
+        if same_weights(candidate.unpacked(), weight.float()):
+            return candidate
     return PackedLinear.pack(library, weight)
 
 

@@ -155,6 +155,14 @@ TRANSCODED_SCALE_BYTES = {
 }
 
 
+def set_iq1_m_d(blocks: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M blocks [..., 56 bytes] given the fp16 d [...]: its bits in the top nibbles of the 4 scale words (the
+    first word's its lowest 4)."""
+    words = blocks[..., 48:56].copy().view("<u2") & 0x0FFF
+    words |= (d.view(np.uint16)[..., None] >> np.array([0, 4, 8, 12], dtype=np.uint16) & 15) << 12
+    blocks[..., 48:56] = words.view(np.uint8)
+
+
 def random_blocks(
     kind: WeightForm | gguf.GGMLQuantizationType, out_features: int, in_features: int, seed: int = 0
 ) -> torch.Tensor:
@@ -176,10 +184,7 @@ def random_blocks(
     elif kind.name == "NVFP4":
         data[:, :4] = generator.integers(0, 24, (blocks, 4))
     elif kind.name == "IQ1_M":
-        d = (generator.standard_normal(blocks) * SCALE_SPREAD["IQ1_S"]).astype(np.float16).view(np.uint16)
-        words = data[:, 48:56].copy().view(np.uint16) & 0x0FFF
-        words |= (d[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16) & 15) << 12
-        data[:, 48:56] = words.view(np.uint8)
+        set_iq1_m_d(data, (generator.standard_normal(blocks) * SCALE_SPREAD["IQ1_S"]).astype(np.float16))
     elif form in (WeightForm.Q8_F32, WeightForm.Q8_F32_16):
         scales = (generator.standard_normal((blocks, 1)) * SCALE_SPREAD[kind.name]).astype(np.float32)
         data[:, :4] = scales.view(np.uint8)
@@ -200,9 +205,14 @@ def dequantized(form: WeightForm, blocks: np.ndarray) -> np.ndarray:
     return (d * rows[..., 4:].view(np.int8).astype(np.float32)).reshape(blocks.shape[0], -1)
 
 
+# The forms of whole floating-point weights, and their torch dtypes.
+FLOAT_FORMS = {WeightForm.F32: torch.float32, WeightForm.BF16: torch.bfloat16, WeightForm.F16: torch.float16}
+
+
 def random_weight_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
-    """What sl_pack packs into `form`: a random float32 or bfloat16 weight [N, K], or random GGUF blocks."""
-    if form in (WeightForm.F32, WeightForm.BF16):
+    """What sl_pack packs into `form`: a random float32, bfloat16 or float16 weight [N, K], or random GGUF
+    blocks."""
+    if form in FLOAT_FORMS:
         weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
-        return weight if form == WeightForm.F32 else weight.bfloat16()
+        return weight.to(FLOAT_FORMS[form])
     return random_blocks(form, out_features, in_features)

@@ -13,18 +13,21 @@ import torch
 from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS
 from engine.model.gguf_transcode import TRANSCODED, transcode
 from engine.model.invariant_kernels import same_weights
-from tests.unit.gguf_files import TRANSCODED_SCALE_BYTES, dequantized
+from tests.unit.gguf_files import TRANSCODED_SCALE_BYTES, dequantized, set_iq1_m_d
 
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 
 
 def _dequantized(kind: gguf.GGMLQuantizationType, d_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows of random blocks of `kind` with these fp16 scales d (one per block, as bits; MXFP4's exponent byte
-    takes the low 8 bits), dequantized as they are and as rewritten."""
+    takes the low 8 bits, NVFP4's first e4m3 scale too; IQ1_M's spreads over its scale words), dequantized as
+    they are and as rewritten."""
     block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     rows = np.random.default_rng(0).integers(0, 256, (len(d_bits), block_bytes), dtype=np.uint8)
     if kind.name in TRANSCODED_SCALE_BYTES:
         rows[:, TRANSCODED_SCALE_BYTES[kind.name]] = d_bits.astype("<u2").view(np.uint8).reshape(-1, 2)
+    elif kind.name == "IQ1_M":
+        set_iq1_m_d(rows, d_bits.astype(np.uint16).view(np.float16))
     else:
         rows[:, 0] = d_bits & 255
     form, rewritten = transcode(kind, rows)

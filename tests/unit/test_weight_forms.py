@@ -4,6 +4,7 @@ bit for bit the float32 kernel over the same weights converted to float32 as the
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -75,11 +76,12 @@ def test_gguf_blocks_give_the_float32_kernels_bits(library, form, out_features, 
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), [*SHAPES, (33, 7), (5, 301)])
-def test_bfloat16_weights_give_the_float32_kernels_bits(library, out_features, in_features):
+@pytest.mark.parametrize(("dtype", "form"), [(torch.bfloat16, WeightForm.BF16), (torch.float16, WeightForm.F16)])
+def test_16_bit_weights_give_the_float32_kernels_bits(library, out_features, in_features, dtype, form):
     torch.manual_seed(in_features)
-    weight = torch.randn(out_features, in_features).bfloat16()
+    weight = torch.randn(out_features, in_features).to(dtype)
     packed = PackedLinear.pack(library, weight)
-    assert packed.form == WeightForm.BF16 and packed.panels.numel() == -(-out_features // 16) * 16 * in_features * 2
+    assert packed.form == form and packed.panels.numel() == -(-out_features // 16) * 16 * in_features * 2
     assert_same_bits(library, packed, weight.float())
 
 
@@ -110,22 +112,24 @@ def test_unpacked_gives_the_values_the_kernel_widens_to(library, form):
     # As a tied head's rows read back as the input embedding.
     ids = torch.tensor([[0, 17, 39], [5, 5, 16]])
     assert torch.equal(PackedEmbedding(packed)(ids).view(torch.int32), expected[ids].view(torch.int32))
-    weight = torch.randn(33, 7).bfloat16()
-    assert torch.equal(PackedLinear.pack(library, weight).unpacked(), weight.float())
+    for weight in (torch.randn(33, 7).bfloat16(), torch.randn(33, 7).half()):
+        assert torch.equal(PackedLinear.pack(library, weight).unpacked(), weight.float())
 
 
-def test_a_bfloat16_checkpoint_stays_bfloat16_and_a_float32_one_float32(tmp_path, default_tokenizer):
+def test_a_16_bit_checkpoint_stays_16_bit_and_a_float32_one_float32(tmp_path, default_tokenizer):
     hf = tiny_hf_model()
     float32 = load_model(*_saved(hf, tmp_path / "f32", default_tokenizer))
-    bf16 = load_model(*_saved(hf.to(torch.bfloat16), tmp_path / "bf16", default_tokenizer))
     assert {p.form for p in float32.model._packed.values()} == {WeightForm.F32}
-    assert {p.form for p in bf16.model._packed.values()} == {WeightForm.BF16}
-    assert bf16.model.dtype == torch.float32
-    # The kernel computes with the checkpoint's own values.
-    for loaded_layer, layer in zip(bf16.model.layers, hf.model.layers, strict=True):
-        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
-            packed = bf16.model._packed[loaded_layer.get_submodule(name)]
-            assert torch.equal(packed.unpacked(), layer.get_submodule(name).weight.float())
+    for dtype, form in ((torch.bfloat16, WeightForm.BF16), (torch.float16, WeightForm.F16)):
+        narrow = copy.deepcopy(hf).to(dtype)
+        loaded = load_model(*_saved(narrow, tmp_path / str(dtype), default_tokenizer))
+        assert {p.form for p in loaded.model._packed.values()} == {form}
+        assert loaded.model.dtype == torch.float32
+        # The kernel computes with the checkpoint's own values.
+        for loaded_layer, layer in zip(loaded.model.layers, narrow.model.layers, strict=True):
+            for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
+                packed = loaded.model._packed[loaded_layer.get_submodule(name)]
+                assert torch.equal(packed.unpacked(), layer.get_submodule(name).weight.float())
 
 
 def _saved(hf, folder, tokenizer) -> tuple:

@@ -1,6 +1,6 @@
 // Batch-invariant float32 kernels for x86 CPUs with AVX2 and FMA or with AVX-512, and for AArch64's NEON (the
 // avx2-fma, avx512 and neon variants of native.py: one build each), the linear layer's weights held in the form
-// they ship in (float32, bfloat16, GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K blocks, or the Q8_F32
+// they ship in (float32, bfloat16, float16, GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K or Q6_K blocks, or the Q8_F32
 // and Q8_F32_16 blocks other GGUF types are rewritten as) and widened exactly to float32 in registers.
 //
 // A row's result here depends on that row's inputs alone: every output element is one
@@ -45,6 +45,7 @@ constexpr int64_t kMaxBlock = 256;
 // kernel over any form computes the float32 kernel's bits while reading fewer bytes.
 //   kF32:  16 floats per k.
 //   kBF16: 16 bfloat16 per k; widening is a 16-bit shift, exact.
+//   kF16: 16 float16 per k; widening is F16C's conversion (NEON's), exact.
 //   kQ8_0: per 32 k, the columns' scales d (fp16), then 32 x 16 int8; w = d * q, as GGUF's
 //          dequantizer computes it in float32.
 //   kQ8_F32: kQ8_0's with float32 d: no GGUF type of its own, the form GGUF types whose weights are a small
@@ -95,6 +96,7 @@ enum Form : int64_t {
   kQ2_K = 9,
   kQ8_F32 = 10,
   kQ8_F32_16 = 11,
+  kF16 = 12,
 };
 
 // A form's groups of kGroup k, each with its own Scales, GroupBytes apart in a panel; sl_pack reads the
@@ -144,6 +146,14 @@ struct BF16 : Groups<1, kPanel * 2> {
 };
 
 inline float half_to_float(const uint8_t* halves, int c) { return _cvtsh_ss(((const uint16_t*)halves)[c]); }
+
+struct F16 : Groups<1, kPanel * 2> {
+  struct Scales {};
+  static constexpr int kScaleLanes = 0;
+  static Scales scales(const uint8_t*, int64_t) { return {}; }
+  static void widen(const uint8_t* group, const Scales&, int, Lanes* w) { w[0] = halves_to_lanes(group); }
+  static float scalar(const uint8_t* panel, int64_t k, int c) { return half_to_float(panel + offset(k), c); }
+};
 
 // Column c's 4-bit value at k kk of nibbles laid out as kQ4_1's.
 inline int nibble(const uint8_t* nibbles, int kk, int c) { return nibbles[kk / 2 * kPanel + c] >> kk % 2 * 4 & 15; }
@@ -887,6 +897,7 @@ void with_form(int64_t form, Run run) {
   switch (form) {
     case kF32: run(F32{}); break;
     case kBF16: run(BF16{}); break;
+    case kF16: run(F16{}); break;
     case kQ8_0: run(Q8_0{}); break;
     case kQ8_F32: run(Q8_F32{}); break;
     case kQ8_F32_16: run(Q8_F32_16{}); break;
@@ -965,6 +976,11 @@ void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t*
     case kBF16:
       pack_panels<BF16>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* panel) {
         memcpy(panel + BF16::offset(k) + n % kPanel * 2, src + (n * k_dim + k) * 2, 2);
+      });
+      break;
+    case kF16:
+      pack_panels<F16>(n_dim, k_dim, wp, [&](int64_t n, int64_t k, uint8_t* panel) {
+        memcpy(panel + F16::offset(k) + n % kPanel * 2, src + (n * k_dim + k) * 2, 2);
       });
       break;
     case kQ8_0:

@@ -46,6 +46,8 @@ class WeightForm(IntEnum):
     Q8_F32 = 10
     # Q8_F32's with a scale per 16 weights: the form of the GGUF types whose scales are per 16 weights.
     Q8_F32_16 = 11
+    # 16-bit floats, widened exactly (a float16 checkpoint's, or a GGUF's F16 tensors).
+    F16 = 12
 
 
 # A GGUF block's weights along K and its bytes, per form.
@@ -107,11 +109,13 @@ class PackedLinear:
 
     @classmethod
     def pack(cls, library: ctypes.CDLL, weight: torch.Tensor) -> PackedLinear:
-        """A float32 or bfloat16 weight [N, K], kept in its own precision (any other dtype: as float32)."""
+        """A float32, bfloat16 or float16 weight [N, K], kept in its own precision (any other dtype: as
+        float32)."""
         weight = weight.detach().contiguous()
-        if weight.dtype != torch.bfloat16:
+        forms = {torch.bfloat16: WeightForm.BF16, torch.float16: WeightForm.F16}
+        if weight.dtype not in forms:
             weight = weight.float()
-        form = WeightForm.BF16 if weight.dtype == torch.bfloat16 else WeightForm.F32
+        form = forms.get(weight.dtype, WeightForm.F32)
         return cls._packed(library, form, weight, *weight.shape)
 
     @classmethod
