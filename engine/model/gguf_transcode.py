@@ -23,10 +23,11 @@ the same outputs.
   or 5; IQ1_S's d' = d * (2s + 1) / 8 with q' = 8 * grid ± 1), so d' * q' rounds once where GGUF's dequantizer
   rounds (d * u) * grid once: the same value (rounding to nearest is symmetric in the sign). The grids are
   gguf's own tables. 9 bits where the files have 4.25, 3.44, 3.06, 2.06, 1.56 and 4.25.
-- IQ2_XS and IQ2_S (IQ2_XXS's arithmetic with a scale per 16 weights), IQ1_M (IQ1_S's, a scale per 16 weights,
-  the delta's sign per 8) and NVFP4 (w = d * q, d an unsigned e4m3 halved per 16 weights, q an int8 of GGUF's
-  doubled e2m1 table) as Q8_F32_16: Q8_F32 with a float32 d per 16 weights, by the same reasoning. 10 bits
-  where the files have 2.31, 2.56, 1.75 and 4.5.
+- IQ2_XS and IQ2_S (IQ2_XXS's arithmetic with a scale per 16 weights) and IQ1_M (IQ1_S's, a scale per 16
+  weights, the delta's sign per 8) as Q8_F32_16: Q8_F32 with a float32 d per 16 weights, by the same reasoning;
+  NVFP4 (w = d * q, d an unsigned e4m3 halved per 16 weights, q an int8 of GGUF's doubled e2m1 table) too, d'
+  = d as gguf decodes it (its NaN byte 0x7F as 0) and q' = q: d has at most 4 significant bits and q 2, so
+  d * q is exact both ways. 10 bits where the files have 2.31, 2.56, 1.75 and 4.5.
 
 Each is 3.2 to 6.4 times fewer bytes a step than float32; the loader checks every packed weight against its
 float32 conversion as it does for every form, and keeps float32 where they differ (a Q4_0 d so large that -8 *
@@ -39,7 +40,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
-from gguf.quants import IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, MXFP4, NVFP4
+from gguf.quants import IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS, MXFP4, NVFP4
 
 from engine.kernels.cpu.invariant import WeightForm
 
@@ -155,9 +156,11 @@ def _grid(kind: type) -> np.ndarray:
     return np.rint(kind.grid.reshape(kind.grid_shape)).astype(np.int8)
 
 
-_IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID, _IQ1_M_GRID = (
-    _grid(kind) for kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M)
+_IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (
+    _grid(kind) for kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S)
 )
+# IQ1_M's grid is IQ1_S's (gguf's IQ1_M.grid_hex is IQ1_S's).
+_IQ1_M_GRID = _IQ1_S_GRID
 _KSIGNS = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)
 _SIGN_FIELDS = np.array([0, 7, 14, 21], dtype=np.uint32)
 
@@ -258,7 +261,7 @@ def iq1_m_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
     shape = blocks.shape[:-1]
     words = blocks[..., 48:56].copy().view("<u2")
     d_bits = np.bitwise_or.reduce((words & 0xF000) >> np.array([12, 8, 4, 0], dtype=np.uint16), axis=-1)
-    d = d_bits.astype(np.uint16)[..., None].view(np.float16).astype(np.float32)
+    d = d_bits[..., None].view(np.float16).astype(np.float32)
     scales = (words[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
     fields = (blocks[..., 32:48, None] >> np.array([0, 4], dtype=np.uint8)).reshape(*shape, 32)
     index = blocks[..., :32].astype(np.uint16) | (fields & 7).astype(np.uint16) << 8
@@ -273,7 +276,7 @@ def nvfp4_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
     in byte 8s + j's low nibble, weight j + 8 in its high one)] as 4 Q8_F32_16 blocks: d GGUF's (the e4m3 value
     halved), q its doubled e2m1 values."""
     shape = blocks.shape[:-1]
-    d = NVFP4.ue4m3_to_fp32(blocks[..., :4]).astype(np.float32)
+    d = NVFP4.ue4m3_to_fp32(blocks[..., :4])
     nibbles = blocks[..., 4:].reshape(*shape, 4, 8)
     q = np.array(NVFP4.kvalues, dtype=np.int8)[np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)]
     return _q8_f32(d, q)
