@@ -75,7 +75,12 @@ def instructions(driver: Path, manifest: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", nargs="*", default=[], help="NAME=PATH: another checkout's kernels")
-    parser.add_argument("--forms", nargs="*", default=[form.name for form in WeightForm])
+    parser.add_argument(
+        "--forms",
+        nargs="*",
+        default=[form.name for form in WeightForm],
+        help="weight forms to count (every one by default; a --tree older than a form aborts on it: name the rest)",
+    )
     parser.add_argument("--rows", nargs="*", type=int, default=[1, 6])
     parser.add_argument("--shape", default="128x1024", help="N x K of the weight")
     args = parser.parse_args()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, PackedLinear, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, FLOAT_DTYPES, SCALE_BYTES, PackedLinear, WeightForm
 from engine.kernels.cpu.native import bind, load_library, runnable_variants
 
 
@@ -27,10 +27,6 @@ def kernel_builds(args: argparse.Namespace) -> dict[str, ctypes.CDLL]:
         name, path = spec.split("=", 1)
         builds[name] = bind(ctypes.CDLL(path))
     return builds
-
-
-# The forms of whole floating-point weights, and their torch dtypes.
-FLOAT_DTYPES = {WeightForm.F32: torch.float32, WeightForm.BF16: torch.bfloat16, WeightForm.F16: torch.float16}
 
 
 def random_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """A loaded model's layers on the batch-invariant kernels: on a CPU its linear layers packed in the form their
-source ships (GGUF blocks, bf16, float32; or quantized at load), its experts grouped, Llama-shaped decoders in one
+source ships (GGUF blocks, bf16, fp16, float32; or quantized at load), its experts grouped, Llama-shaped decoders in one
 call a step; on a GPU the Triton linear layers and norms and the fusions of a layer."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from gguf import GGMLQuantizationType, quants
 from transformers import PreTrainedModel
 
 from engine.kernels.cpu.decoder import InvariantDecoder
-from engine.kernels.cpu.experts import InvariantExperts, PackedExperts, narrowest
-from engine.kernels.cpu.invariant import PackedEmbedding, PackedLinear, WeightForm
+from engine.kernels.cpu.experts import InvariantExperts, PackedExperts
+from engine.kernels.cpu.invariant import PackedEmbedding, PackedLinear, WeightForm, narrowest
 from engine.kernels.cpu.native import kernel_variant, load_library
 from engine.model.causal_lm import PagedCausalLM
 from engine.model.gguf_index import read_gguf_index
@@ -155,17 +155,11 @@ def _pack_as_shipped(
     library: ctypes.CDLL, module: torch.nn.Linear, blocks: tuple[WeightForm, torch.Tensor] | None
 ) -> PackedLinear:
     weight = module.weight.detach()
-    if blocks is not None:
-        candidates = [PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)]
-    else:
-        # A bfloat16 checkpoint's values are bfloat16, a float16 one's (or a GGUF's F16 tensors') float16: the
-        # narrower form that holds them all, tried first where a round trip keeps them.
-        held = (dtype for dtype in (torch.bfloat16, torch.float16) if torch.equal(weight.to(dtype).float(), weight))
-        narrow = next(held, None)
-        candidates = [] if narrow is None else [PackedLinear.pack(library, weight.to(narrow))]
-    for candidate in candidates:
-        if same_weights(candidate.unpacked(), weight.float()):
-            return candidate
+    if blocks is None:
+        return PackedLinear.pack(library, narrowest(weight))
+    candidate = PackedLinear.pack_blocks(library, *blocks, module.out_features, module.in_features)
+    if same_weights(candidate.unpacked(), weight.float()):
+        return candidate
     return PackedLinear.pack(library, weight)
 
 

@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels.cpu.experts import narrowest
-from engine.kernels.cpu.invariant import PackedLinear
+from engine.kernels.cpu.invariant import PackedLinear, narrowest
 from engine.model.families.vision import VisionFamily
 
 # A linear layer's weight [N, K] and bias [N] (or None) → its forward on a batch-invariant kernel, x [..., K] →
@@ -26,7 +25,7 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], Callable[[torch.Ten
 
 
 def cpu_linear_kernel(library: ctypes.CDLL) -> LinearKernel:
-    """The CPU kernel (float32 in and out), each weight packed as bfloat16 where every value is one."""
+    """The CPU kernel (float32 in and out), each weight packed in the narrowest dtype that holds its values."""
 
     def kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
         packed = PackedLinear.pack(library, narrowest(weight))

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, SCALE_BYTES, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_BYTES, BLOCK_WEIGHTS, FLOAT_DTYPES, SCALE_BYTES, WeightForm
 
 # The byte-level alphabet: each byte's character, in byte order.
 BYTES = [bytes_to_unicode()[byte] for byte in range(256)]
@@ -205,14 +205,16 @@ def dequantized(form: WeightForm, blocks: np.ndarray) -> np.ndarray:
     return (d * rows[..., 4:].view(np.int8).astype(np.float32)).reshape(blocks.shape[0], -1)
 
 
-# The forms of whole floating-point weights, and their torch dtypes.
-FLOAT_FORMS = {WeightForm.F32: torch.float32, WeightForm.BF16: torch.bfloat16, WeightForm.F16: torch.float16}
-
-
 def random_weight_source(form: WeightForm, out_features: int, in_features: int) -> torch.Tensor:
-    """What sl_pack packs into `form`: a random float32, bfloat16 or float16 weight [N, K], or random GGUF
-    blocks."""
-    if form in FLOAT_FORMS:
+    """What sl_pack packs into `form`: a random float32, bfloat16 or float16 weight [N, K] (float16's every fifth
+    value one of its subnormals, zeros or largest finite values in turn), or random GGUF blocks."""
+    if form in FLOAT_DTYPES:
         weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(in_features))
-        return weight.to(FLOAT_FORMS[form])
+        weight = weight.to(FLOAT_DTYPES[form])
+        if form == WeightForm.F16:
+            edges = torch.tensor([*range(1024), *range(0x8000, 0x8400), 0x7BFF, 0xFBFF], dtype=torch.int32)
+            flat = weight.view(-1)
+            picks = edges[torch.arange(flat[::5].numel()) % len(edges)].to(torch.int16).view(torch.float16)
+            flat[::5] = picks
+        return weight
     return random_blocks(form, out_features, in_features)

@@ -70,7 +70,12 @@ async def test_a_gguf_is_served_as_transformers_reads_it(tmp_path, model_type):
     assert [lp for _, lp in served] == pytest.approx([lp for _, lp in expected], abs=1e-4)
 
 
-@pytest.mark.parametrize("form", [WeightForm.Q8_0, WeightForm.Q5_0, WeightForm.Q5_1], ids=lambda form: form.name)
+# F16 and BF16 tensors are read as float32 and kept in the 16-bit form that holds their values.
+@pytest.mark.parametrize(
+    "form",
+    [WeightForm.Q8_0, WeightForm.Q5_0, WeightForm.Q5_1, WeightForm.F16, WeightForm.BF16],
+    ids=lambda form: form.name,
+)
 async def test_a_quantized_gguf_s_blocks_are_kept_for_the_kernels(tmp_path, form):
     model = tiny_hf_model("qwen3", **OVERRIDES["qwen3"])
     path = write_gguf(model, tmp_path / f"tiny-qwen3-{form.name}.gguf", gguf.GGMLQuantizationType[form.name])

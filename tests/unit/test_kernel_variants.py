@@ -6,12 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kernels.cpu.invariant import BLOCK_WEIGHTS, PackedLinear, WeightForm
+from engine.kernels.cpu.invariant import BLOCK_WEIGHTS, FLOAT_DTYPES, PackedLinear, WeightForm
 from engine.kernels.cpu.native import load_library, runnable_variants
 from engine.model.teacher_forcing import teacher_forced_logits
 from engine.tiny import tiny_engine, tiny_loaded
 from tests.conftest import CACHE_DIR
-from tests.unit.gguf_files import FLOAT_FORMS, random_weight_source
+from tests.unit.gguf_files import random_weight_source
 from tests.unit.test_decoder import _random_norms
 
 SHAPES = [(576, 576), (17, 96), (1536, 160), (49152, 64)]
@@ -31,7 +31,7 @@ def libraries():
 
 def _packed(library, form: WeightForm, out_features: int, in_features: int) -> PackedLinear:
     source = random_weight_source(form, out_features, in_features)
-    if form in FLOAT_FORMS:
+    if form in FLOAT_DTYPES:
         return PackedLinear.pack(library, source)
     return PackedLinear.pack_blocks(library, form, source, out_features, in_features)
 

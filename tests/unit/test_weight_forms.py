@@ -1,5 +1,5 @@
 """The batch-invariant linear kernel over weights kept as they ship (GGUF Q8_0, Q4_1, Q5_0, Q5_1, Q2_K, Q4_K, Q5_K
-and Q6_K blocks, the Q8_F32 and Q8_F32_16 ones that other GGUF types are rewritten as, bfloat16):
+and Q6_K blocks, the Q8_F32 and Q8_F32_16 ones that other GGUF types are rewritten as, bfloat16, float16):
 bit for bit the float32 kernel over the same weights converted to float32 as the loader converts them
 (GGUF's own dequantizer; bfloat16 widened), for any number of rows, odd shapes and tails, in the vector
 and the scalar variant alike."""
@@ -85,6 +85,20 @@ def test_16_bit_weights_give_the_float32_kernels_bits(library, out_features, in_
     assert_same_bits(library, packed, weight.float())
 
 
+def test_every_float16_widens_exactly(library):
+    # All 65,536 halves (subnormals, infinities and NaNs among them) as a weight [4096, 16].
+    halves = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(4096, 16)
+    packed = PackedLinear.pack(library, halves)
+    assert packed.form == WeightForm.F16
+    assert torch.equal(packed.unpacked().view(torch.int32), halves.float().view(torch.int32))
+    # Through the kernels: x = I picks each weight out of its chain (0 * w adds +0), where a row's weights are all
+    # finite (elsewhere 0 * inf is NaN).
+    finite = halves.float().isfinite().all(dim=1)
+    x = torch.eye(16)
+    for kernel in (packed, dataclasses.replace(packed, scalar=True)):
+        assert torch.equal(kernel(x).T[finite], halves.float()[finite])
+
+
 @pytest.mark.parametrize(("out_features", "in_features"), [(100, 40), (33, 7)])
 def test_the_scalar_variant_gives_the_vector_variants_bits_over_float32(library, out_features, in_features):
     torch.manual_seed(1)
@@ -130,6 +144,15 @@ def test_a_16_bit_checkpoint_stays_16_bit_and_a_float32_one_float32(tmp_path, de
             for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"):
                 packed = loaded.model._packed[loaded_layer.get_submodule(name)]
                 assert torch.equal(packed.unpacked(), layer.get_submodule(name).weight.float())
+
+
+def test_a_16_bit_mixture_of_experts_keeps_its_experts_and_routers_16_bit(tmp_path, default_tokenizer):
+    for dtype, form in ((torch.bfloat16, WeightForm.BF16), (torch.float16, WeightForm.F16)):
+        loaded = load_model(*_saved(tiny_hf_model("mixtral").to(dtype), tmp_path / str(dtype), default_tokenizer))
+        kernels = list(loaded.model._experts.values())
+        assert len(kernels) == 2
+        assert {k.gate_up.form for k in kernels} == {k.down.form for k in kernels} == {k.router.form for k in kernels}
+        assert {k.gate_up.form for k in kernels} == {form}
 
 
 def _saved(hf, folder, tokenizer) -> tuple:

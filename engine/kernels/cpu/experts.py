@@ -15,14 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.cpu.invariant import PackedLinear, WeightForm
-
-
-def narrowest(weights: torch.Tensor) -> torch.Tensor:
-    """`weights` as bfloat16 where every value is one (the kernel widens them back bit for bit), else float32."""
-    as_bf16 = weights.detach().bfloat16()
-    exact = torch.equal(as_bf16.float().view(torch.int32), weights.detach().float().view(torch.int32))
-    return as_bf16 if exact else weights.detach().float()
+from engine.kernels.cpu.invariant import PackedLinear, WeightForm, narrowest
 
 
 @dataclass(frozen=True)
@@ -39,7 +32,7 @@ class PackedExperts:
 
     @classmethod
     def pack(cls, library: ctypes.CDLL, weights: torch.Tensor) -> PackedExperts:
-        """weights [E, N, K]: kept bfloat16 where every value is one (bit-identical once widened), else float32."""
+        """weights [E, N, K]: kept in the narrowest dtype that holds all their values (`narrowest`)."""
         experts = [PackedLinear.pack(library, weight) for weight in narrowest(weights)]
         first = experts[0]
         panels = torch.stack([expert.panels for expert in experts])

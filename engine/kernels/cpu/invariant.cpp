@@ -45,7 +45,7 @@ constexpr int64_t kMaxBlock = 256;
 // kernel over any form computes the float32 kernel's bits while reading fewer bytes.
 //   kF32:  16 floats per k.
 //   kBF16: 16 bfloat16 per k; widening is a 16-bit shift, exact.
-//   kF16: 16 float16 per k; widening is F16C's conversion (NEON's), exact.
+//   kF16:  16 float16 per k; widening is F16C's conversion (NEON's), exact.
 //   kQ8_0: per 32 k, the columns' scales d (fp16), then 32 x 16 int8; w = d * q, as GGUF's
 //          dequantizer computes it in float32.
 //   kQ8_F32: kQ8_0's with float32 d: no GGUF type of its own, the form GGUF types whose weights are a small
@@ -319,7 +319,7 @@ struct Q6_K : SuperBlocks<16, 16 * 12 + kPanel, kPanel * 2> {
 // which otherwise started cold (all but the first: past a panel's end lies the next panel's start). From
 // memory, 1-row Q4_1 1.9x (avx512) and 1.5x (avx2-fma) the multiply-adds a second, a decode step at one stream
 // 0.85x the time (Zen 5); the next tile's groups a 1-stream step 0.94x (Zen 2, docs/performance.md). Not for
-// float32 and bfloat16, whose long runs a k the hardware follows (float32 lost 10% with it).
+// float32 and the 16-bit floats, whose long runs a k the hardware follows (float32 lost 10% with it).
 constexpr int64_t kPrefetchGroups = 4;
 template <class F>
 constexpr int64_t kGroupBytes = F::bytes(256) / (256 / F::kGroup);
@@ -392,7 +392,7 @@ inline void tile(const float* x, int64_t x_stride, const uint8_t* wp, int64_t pa
 }
 
 // Panels per tile: AVX's twelve accumulator registers of sixteen as 6 rows x 1 panel, 3 x 2 and, for float32
-// and bfloat16, 1 x 4. A row of a form with scales takes 2 panels (its scales in memory: kScalesInMemory),
+// and the 16-bit floats, 1 x 4. A row of a form with scales takes 2 panels (its scales in memory: kScalesInMemory),
 // whose 4 chains keep up with the widening: with 4, the 18- and 6-panel shares of a decode step's q, k, v, o
 // and down ended in two 1-panel tiles, and a 1-stream step on a Zen 2 took 1.05x the time; float32 and
 // bfloat16, with no widening to hide the chains' latency, ran slower with 2 (docs/performance.md, "One row on
@@ -961,7 +961,7 @@ int64_t sl_packed_bytes(int64_t form, int64_t n_dim, int64_t k_dim) {
   return bytes;
 }
 
-// W [N, K] in its source's layout (float32 or bfloat16 row-major; GGUF blocks, each row K / F::kBlock of
+// W [N, K] in its source's layout (float32, bfloat16 or float16 row-major; GGUF blocks, each row K / F::kBlock of
 // them) -> wp, sl_packed_bytes(form, N, K) bytes of 16-column panels.
 void sl_pack(int64_t form, const void* w, int64_t n_dim, int64_t k_dim, uint8_t* wp) {
   // wp has sl_packed_bytes' size, 0 for a K the form does not take: nothing may be written then.

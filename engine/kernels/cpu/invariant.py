@@ -89,6 +89,24 @@ SCALE_BYTES = {
     WeightForm.Q2_K: slice(80, 84),
 }
 
+# The forms of whole floating-point weights, and the torch dtype each holds.
+FLOAT_DTYPES = {WeightForm.F32: torch.float32, WeightForm.BF16: torch.bfloat16, WeightForm.F16: torch.float16}
+_FLOAT_FORMS = {dtype: form for form, dtype in FLOAT_DTYPES.items()}
+
+
+def narrowest(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in the narrowest floating-point dtype that holds every one of its values bit for bit (so the kernel
+    widens them back to the same float32): bfloat16 (a bfloat16 checkpoint's), else float16 (a float16 one's, a
+    GGUF's F16 tensors'), else float32. Where both 16-bit dtypes hold them, either is exact at the same bytes."""
+    weight = weight.detach()
+    bits = weight.float().view(torch.int32)
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = weight.to(dtype)
+        if torch.equal(narrow.float().view(torch.int32), bits):
+            return narrow
+    return weight.float()
+
+
 # The KV cache dtypes the attention kernel reads, widening each element exactly (CacheDtype in invariant.h).
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -112,10 +130,9 @@ class PackedLinear:
         """A float32, bfloat16 or float16 weight [N, K], kept in its own precision (any other dtype: as
         float32)."""
         weight = weight.detach().contiguous()
-        forms = {torch.bfloat16: WeightForm.BF16, torch.float16: WeightForm.F16}
-        if weight.dtype not in forms:
+        if weight.dtype not in _FLOAT_FORMS:
             weight = weight.float()
-        form = forms.get(weight.dtype, WeightForm.F32)
+        form = _FLOAT_FORMS[weight.dtype]
         return cls._packed(library, form, weight, *weight.shape)
 
     @classmethod
