@@ -52,8 +52,8 @@ _FP16_ONE = np.array([1.0], dtype=np.float16).view(np.uint8)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """A 32-weight block's 16 bytes of nibbles as its 32 4-bit values in weight order: weight j in byte j's
-    low nibble, weight j + 16 in its high one (Q4_0's, Q4_1's and IQ4_NL's layout)."""
+    """A block's n bytes of nibbles [..., n] as its 2n 4-bit values in weight order: weight j in byte j's low
+    nibble, weight j + n in its high one (Q4_0's, Q4_1's, IQ4_NL's, MXFP4's and NVFP4's sub-blocks' layout)."""
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
@@ -97,6 +97,11 @@ def q3_k_as_q6_k(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(*shape, 128), qh.reshape(*shape, 64), scales.view(np.uint8), d], axis=-1)
 
 
+def _scale_nibbles(bytes_: np.ndarray) -> np.ndarray:
+    """Bytes of 4-bit scales [..., n] as their 2n values [..., 2n]: scale i in byte i // 2, nibble i % 2."""
+    return np.stack([bytes_ & 15, bytes_ >> 4], axis=-1).reshape(*bytes_.shape[:-1], -1)
+
+
 def _q8_f32(d: np.ndarray, q: np.ndarray) -> np.ndarray:
     """Q8_F32 (or Q8_F32_16) blocks [..., 36 (20) bytes: float32 d, 32 (16) int8] from d [..., groups] and q
     [..., groups, 32 (16)]."""
@@ -136,7 +141,7 @@ def iq4_xs_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
     blocks."""
     high = blocks[..., 2:4].copy().view(np.uint16)
     i = np.arange(8)
-    low = blocks[..., 4 + i // 2] >> (4 * (i % 2)) & 15
+    low = _scale_nibbles(blocks[..., 4:8])
     scales = (low | ((high >> (2 * i)) & 3).astype(np.uint8) << 4).astype(np.int8) - 32
     d = _fp16_d(blocks, slice(0, 2))[..., None] * scales.astype(np.float32)
     q = _IQ4_NL_VALUES[_nibbles(blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 16))]
@@ -159,8 +164,6 @@ def _grid(kind: type) -> np.ndarray:
 _IQ2_XXS_GRID, _IQ2_XS_GRID, _IQ2_S_GRID, _IQ3_XXS_GRID, _IQ3_S_GRID, _IQ1_S_GRID = (
     _grid(kind) for kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S)
 )
-# IQ1_M's grid is IQ1_S's (gguf's IQ1_M.grid_hex is IQ1_S's).
-_IQ1_M_GRID = _IQ1_S_GRID
 _KSIGNS = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)
 _SIGN_FIELDS = np.array([0, 7, 14, 21], dtype=np.uint32)
 
@@ -203,8 +206,7 @@ def iq3_s_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
     high = (blocks[..., 66:74, None] >> np.arange(8, dtype=np.uint8)) & 1
     index = blocks[..., 2:66].astype(np.uint16) | high.reshape(*shape, 64).astype(np.uint16) << 8
     q = _IQ3_S_GRID[index].reshape(*shape, 8, 32) * _signs(blocks[..., 74:106]).reshape(*shape, 8, 32)
-    i = np.arange(8)
-    scale = (blocks[..., 106 + i // 2] >> (4 * (i % 2)) & 15).astype(np.float32)
+    scale = _scale_nibbles(blocks[..., 106:110]).astype(np.float32)
     return _q8_f32(_fp16_d(blocks, slice(0, 2))[..., None] * (1 + 2 * scale), q)
 
 
@@ -224,10 +226,9 @@ def iq1_s_as_q8_f32(blocks: np.ndarray) -> np.ndarray:
 
 
 def _per_16_scales(bytes_: np.ndarray) -> np.ndarray:
-    """IQ2_XS's and IQ2_S's 8 bytes of 4-bit scales [..., 8] (scale i in byte i // 2, nibble i % 2) as their
-    16 factors u = (0.5 + s) / 4, float32 [..., 16]."""
-    i = np.arange(16)
-    return ((0.5 + (bytes_[..., i // 2] >> (4 * (i % 2)) & 15).astype(np.float32)) * 0.25).astype(np.float32)
+    """IQ2_XS's and IQ2_S's 8 bytes of 4-bit scales s [..., 8] as their 16 factors u = (0.5 + s) / 4, float32
+    [..., 16]."""
+    return (0.5 + _scale_nibbles(bytes_).astype(np.float32)) * 0.25
 
 
 def iq2_xs_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
@@ -266,7 +267,7 @@ def iq1_m_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
     fields = (blocks[..., 32:48, None] >> np.array([0, 4], dtype=np.uint8)).reshape(*shape, 32)
     index = blocks[..., :32].astype(np.uint16) | (fields & 7).astype(np.uint16) << 8
     delta = np.where(fields & 8, -1, 1).astype(np.int8)
-    q = 8 * _IQ1_M_GRID[index] + delta[..., None]
+    q = 8 * _IQ1_S_GRID[index] + delta[..., None]  # IQ1_M's grid is IQ1_S's (gguf's grid_hex is one object)
     u = (2 * scales.reshape(*shape, 16) + 1).astype(np.float32) * np.float32(0.125)
     return _q8_f32(d * u, q.reshape(*shape, 16, 16))
 
@@ -278,7 +279,7 @@ def nvfp4_as_q8_f32_16(blocks: np.ndarray) -> np.ndarray:
     shape = blocks.shape[:-1]
     d = NVFP4.ue4m3_to_fp32(blocks[..., :4])
     nibbles = blocks[..., 4:].reshape(*shape, 4, 8)
-    q = np.array(NVFP4.kvalues, dtype=np.int8)[np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)]
+    q = np.array(NVFP4.kvalues, dtype=np.int8)[_nibbles(nibbles)]
     return _q8_f32(d, q)
 
 
